@@ -1,0 +1,59 @@
+// nanobind module vllm_metal._ext: exposes the paged-attention op and build
+// facts. Lives in nanobind domain "mlx" so mx.array / mx.Stream cross over.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/version.h"
+
+#include "paged_attention.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "vllm-metal native MLX primitives";
+
+  m.def(
+      "paged_attention",
+      &vllm_metal::paged_attention,
+      "q"_a,
+      "key_cache"_a,
+      "value_cache"_a,
+      "block_tables"_a,
+      "seq_lens"_a,
+      "cu_seqlens_q"_a,
+      nb::kw_only(),
+      "scale"_a,
+      "sliding_window"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "stream"_a = nb::none(),
+      "Lazy paged attention over packed varlen queries (see vllm_metal.ops).");
+
+  m.def(
+      "is_materialized",
+      [](const mx::array& a) { return a.is_available(); },
+      "a"_a,
+      "True when the array already holds data (evaluated, or made from host "
+      "data): reading it then forces no computation.");
+
+  m.def(
+      "buffer_address",
+      [](const mx::array& a) {
+        return reinterpret_cast<std::uintptr_t>(a.buffer().raw_ptr());
+      },
+      "a"_a,
+      "Address of the array's data buffer (for donation checks in tests).");
+
+  // From the headers compiled in, not from the loaded libmlx.
+  m.attr("BUILT_AGAINST_MLX") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+#ifdef VLLM_METAL_HAS_METAL
+  m.attr("HAS_METAL") = true;
+#else
+  m.attr("HAS_METAL") = false;
+#endif
+  m.attr("MAX_HEAD_DIM") = vllm_metal::kMaxHeadDim;
+}

@@ -1,0 +1,80 @@
+// PagedAttention: a lazy, read-only MLX primitive that attends the packed new
+// tokens of many sequences to their K/V stored in a paged (block) cache.
+//
+// One call serves decode, prefill and mixed batches ("varlen"): sequence s owns
+// the query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1; its j-th new token sits
+// at absolute position seq_lens[s] - n_s + j and attends causally to every
+// cached and new position <= its own (optionally only the last sliding_window
+// positions). Softmax is accumulated in float32 whatever the storage dtype.
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace vllm_metal {
+
+namespace mx = mlx::core;
+
+// Everything that is not an array input. sliding_window <= 0 and softcap <= 0
+// mean "off".
+struct PagedAttentionParams {
+  float scale;
+  int sliding_window;
+  float softcap;
+
+  bool operator==(const PagedAttentionParams&) const = default;
+};
+
+// Head dims and block sizes the kernels are instantiated for (CPU and Metal
+// accept the same set so a model never runs on one backend only).
+constexpr int kMaxHeadDim = 256;
+bool is_supported_head_dim(int head_dim);
+bool is_supported_block_size(int block_size);
+
+// Validates shapes/dtypes (std::invalid_argument -> Python ValueError) and
+// returns the lazy output [num_tokens, num_heads, head_dim] in q's dtype.
+// Inputs (in this order): q, key_cache, value_cache, block_tables, seq_lens,
+// cu_seqlens_q. Data-dependent checks (block ids, lengths) happen at eval.
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& key_cache,
+    const mx::array& value_cache,
+    const mx::array& block_tables,
+    const mx::array& seq_lens,
+    const mx::array& cu_seqlens_q,
+    float scale,
+    std::optional<int> sliding_window,
+    std::optional<float> softcap,
+    mx::StreamOrDevice s = {});
+
+// Invariant for every eval_* below: no encoder.add_temporary(). A temporary
+// held by the command encoder outlives the fence that orders this primitive
+// against later command buffers under lazy evaluation; all scratch memory is
+// plain host memory owned by the eval itself (CPU) or threadgroup memory (GPU).
+class PagedAttention : public mx::UnaryPrimitive {
+ public:
+  PagedAttention(mx::Stream stream, PagedAttentionParams params)
+      : mx::UnaryPrimitive(stream), params_(params) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override {
+    return "PagedAttention";
+  }
+
+  const PagedAttentionParams& params() const {
+    return params_;
+  }
+
+ private:
+  PagedAttentionParams params_;
+};
+
+} // namespace vllm_metal

@@ -1,0 +1,57 @@
+"""Every environment variable vllm-metal reads, with its default and meaning.
+
+Documented in docs/usage.md. Values are read when asked for (not at import),
+so tests and forked workers see the current environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+# name -> (default, one-line meaning)
+ENV_VARS: dict[str, tuple[str | None, str]] = {
+    "VLLM_METAL_DEVICE": (
+        None,
+        "MLX device for the plugin: 'gpu' (Metal, default on Apple Silicon) or 'cpu'. "
+        "On non-Apple hosts the plugin is active only when this is set to 'cpu'.",
+    ),
+    "VLLM_METAL_ATTENTION": (
+        "auto",
+        "Attention path: 'auto' (native primitive where one exists for the device, "
+        "else the MLX reference) or 'reference' (always the plain-MLX reference, for diagnosis).",
+    ),
+    "VLLM_METAL_SYNC_PER_LAYER": (
+        "0",
+        "1 evaluates the graph after every layer (the old eager behaviour) instead of "
+        "once per engine step; for ablation and debugging.",
+    ),
+    "VLLM_METAL_BLAS": (
+        "auto",
+        "Linux only: 'auto' loads an optimized OpenBLAS before MLX, a path loads that "
+        "library, 'reference' keeps the mlx-cpu wheel's slow reference BLAS.",
+    ),
+    "VLLM_METAL_CPU_THREADS": (
+        None,
+        "Threads used by the CPU paged-attention kernel (default: all cores).",
+    ),
+    "VLLM_METAL_MODEL_DIR": (
+        None,
+        "Where the embedded default model (SmolLM2-135M-Instruct) is converted to "
+        "(default ~/.cache/vllm-metal/SmolLM2-135M-Instruct).",
+    ),
+}
+
+
+def get(name: str) -> str | None:
+    default, _ = ENV_VARS[name]
+    return os.environ.get(name, default)
+
+
+def get_bool(name: str) -> bool:
+    return (get(name) or "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def environment_variables() -> dict[str, Callable[[], str | None]]:
+    """In vLLM's own `environment_variables` shape: name -> getter."""
+    return {name: (lambda n=name: get(n)) for name in ENV_VARS}

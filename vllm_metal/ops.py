@@ -1,0 +1,250 @@
+"""Paged attention and KV-cache writes as lazy MLX operations.
+
+    from vllm_metal import ops
+    out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
+                              cu_seqlens_q, scale=..., sliding_window=None, softcap=None)
+    key_cache, value_cache = ops.write_kv(key_cache, value_cache, k, v, slot_mapping)
+
+Both build graph nodes and return at once; nothing is computed until the
+caller evaluates (e.g. one `mx.eval` per engine step). `paged_attention` runs
+the native primitive (C++ on the CPU, Metal on an Apple GPU) and falls back to
+`paged_attention_reference`, built from plain MLX ops, on devices without a
+native kernel. Layouts:
+
+    q             [num_tokens, num_heads, head_dim]    new tokens of all sequences, packed
+    key_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+    block_tables  int32 [num_seqs, max_blocks_per_seq]
+    seq_lens      int32 [num_seqs]       context length after this step (cached + new)
+    cu_seqlens_q  int32 [num_seqs + 1]   offsets of each sequence's new tokens in q
+    slot_mapping  int   [num_tokens]     block * block_size + offset, -1 = write nothing
+"""
+
+from __future__ import annotations
+
+from vllm_metal import envs
+from vllm_metal import fast_blas
+
+fast_blas.preload()  # must precede the first `import mlx.core`
+
+from vllm_metal._native import load_extension  # noqa: E402
+
+_ext = load_extension()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path"]
+
+_INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
+
+
+def _as_index_array(value, name: str) -> mx.array:
+    if isinstance(value, mx.array):
+        return value
+    if isinstance(value, (np.ndarray, list, tuple)):
+        arr = np.asarray(value)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        return mx.array(arr.astype(np.int32))
+    raise TypeError(f"{name} must be an mx.array (or numpy array/list), got {type(value).__name__}")
+
+
+def _check_array(value, name: str) -> None:
+    if not isinstance(value, mx.array):
+        raise TypeError(f"{name} must be an mx.array, got {type(value).__name__}")
+
+
+def _device_of(stream) -> mx.Device:
+    if stream is None:
+        return mx.default_device()
+    if isinstance(stream, mx.Device):
+        return stream
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    raise TypeError(f"stream must be an mx.Stream, mx.Device or None, got {type(stream).__name__}")
+
+
+def attention_path(stream=None) -> tuple[str, str]:
+    """Which implementation `paged_attention` uses on `stream`: (name, reason).
+
+    name is "metal", "cpu" or "reference".
+    """
+    device = _device_of(stream)
+    if (envs.get("VLLM_METAL_ATTENTION") or "auto").strip() == "reference":
+        return "reference", "VLLM_METAL_ATTENTION=reference"
+    if device.type == mx.DeviceType.cpu:
+        return "cpu", "native C++ primitive on MLX's CPU device"
+    if _ext.HAS_METAL:
+        return "metal", "native Metal kernel on MLX's GPU device"
+    return "reference", "this build has no native kernel for MLX's GPU device"
+
+
+def _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
+    for name, value in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_array(value, name)
+    block_tables, seq_lens, cu_seqlens_q = (
+        _as_index_array(v, n) for v, n in zip((block_tables, seq_lens, cu_seqlens_q), _INDEX_ARGS)
+    )
+    return q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q
+
+
+def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, *,
+                    scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None, stream=None) -> mx.array:
+    """Lazy varlen paged attention; returns an array shaped and typed like q.
+
+    Shape/dtype/rank mistakes raise ValueError naming the argument; bad block
+    ids or lengths (known only once the inputs are computed) raise RuntimeError
+    when the result is evaluated.
+    """
+    args = _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
+    if attention_path(stream)[0] == "reference":
+        return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window,
+                                         softcap=softcap, stream=stream)
+    return _ext.paged_attention(*args, scale=float(scale), sliding_window=sliding_window,
+                                softcap=softcap, stream=stream)
+
+
+def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                              *, scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None, stream=None) -> mx.array:
+    """The same attention from plain MLX ops, on any device; a test oracle.
+
+    Gathers every token's whole block table, so it costs memory proportional to
+    num_tokens x max_blocks_per_seq x block_size; block ids are clamped into
+    range rather than validated.
+    """
+    q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = _prepare(
+        q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
+    # Same static validation as the primitive (building the lazy node is free).
+    _ext.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                         scale=float(scale), sliding_window=sliding_window, softcap=softcap,
+                         stream=stream)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    group = num_heads // num_kv_heads
+    context = max_blocks * block_size
+    with mx.stream(stream if stream is not None else mx.default_device()):
+        tokens = mx.arange(num_tokens, dtype=mx.int32)
+        seq_of_token = (tokens[:, None] >= cu_seqlens_q[None, 1:]).astype(mx.int32).sum(axis=1)
+        seq_of_token = mx.minimum(seq_of_token, max(num_seqs - 1, 0))
+        new_tokens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        positions = (seq_lens[seq_of_token] - new_tokens[seq_of_token]
+                     + tokens - cu_seqlens_q[seq_of_token])
+
+        table = mx.clip(block_tables, 0, num_blocks - 1)[seq_of_token]  # [N, M]
+
+        def gather(cache):  # -> [N, kv_heads, context, head_dim] float32
+            x = cache[table].reshape(num_tokens, context, num_kv_heads, head_dim)
+            return x.astype(mx.float32).transpose(0, 2, 1, 3)
+
+        qf = q.astype(mx.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+        scores = (qf @ gather(key_cache).swapaxes(-1, -2)) * scale  # [N, kvh, G, ctx]
+        if softcap is not None:
+            scores = softcap * mx.tanh(scores / softcap)
+        key_pos = mx.arange(context, dtype=mx.int32)[None, :]
+        visible = key_pos <= positions[:, None]
+        if sliding_window is not None:
+            visible = visible & (key_pos > positions[:, None] - sliding_window)
+        scores = mx.where(visible[:, None, None, :], scores, -mx.inf)
+        probs = mx.softmax(scores, axis=-1)
+        out = probs @ gather(value_cache)  # [N, kvh, G, D]
+        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.array,
+             slot_mapping) -> tuple[mx.array, mx.array]:
+    """Functional, graph-tracked cache write: returns the updated caches.
+
+    Token i's k[i], v[i] land in slot slot_mapping[i] (block * block_size +
+    offset); -1 writes nothing. The write is an MLX scatter: lazy, ordered by
+    the graph, and done in place on the old buffer when the caller holds no
+    other reference to the old cache arrays (`kc, vc = write_kv(kc, vc, ...)`).
+
+    Slots outside [-1, num_blocks * block_size) raise ValueError when the
+    mapping is host data or an already-computed array; in a still-lazy mapping
+    they cannot be seen before evaluation and are dropped (written nowhere),
+    so a write can never go out of bounds.
+    """
+    for name, value in (("key_cache", key_cache), ("value_cache", value_cache), ("k", k), ("v", v)):
+        _check_array(value, name)
+    if key_cache.ndim != 4:
+        raise ValueError("key_cache must have rank 4 [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got shape {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must match "
+                         f"key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match "
+                             f"the cache, got shape {tuple(x.shape)}")
+        if x.dtype != key_cache.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} does not match the cache dtype {key_cache.dtype}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+
+    num_slots = num_blocks * block_size
+    slots, host = _slot_array(slot_mapping, k.shape[0], num_slots)
+
+    def scatter(cache, new, where, what):
+        flat = cache.reshape(num_slots, num_kv_heads, head_dim)
+        flat[where] = what(new, flat)
+        return flat.reshape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    if host is not None:
+        # Known slots (the normal case): scatter only the real writes. The
+        # cache is read by nothing here, so the scatter can be donated.
+        keep = np.nonzero(host >= 0)[0]
+        if keep.size == 0:
+            return key_cache, value_cache
+        if keep.size < host.size:
+            slots, pick = mx.array(host[keep]), mx.array(keep.astype(np.int32))
+            return (scatter(key_cache, k, slots, lambda new, _: new[pick]),
+                    scatter(value_cache, v, slots, lambda new, _: new[pick]))
+        return (scatter(key_cache, k, slots, lambda new, _: new),
+                scatter(value_cache, v, slots, lambda new, _: new))
+
+    # Lazy slots: padding and out-of-range slots are pointed at the first real
+    # write with that write's value, so duplicates in the scatter agree; with
+    # no real write at all they rewrite slot 0 with its own content. This path
+    # reads the cache (slot 0), which may cost the in-place donation.
+    valid = (slots >= 0) & (slots < num_slots)
+    any_valid = mx.any(valid)
+    first = mx.argmax(valid)
+    safe_slots = mx.where(valid, slots, mx.where(any_valid, slots[first], 0))
+
+    def anchored(new, flat):
+        anchor_value = mx.where(any_valid, new[first], flat[0])
+        return mx.where(valid[:, None, None], new, anchor_value)
+
+    return (scatter(key_cache, k, safe_slots, anchored),
+            scatter(value_cache, v, safe_slots, anchored))
+
+
+def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
+    """(slots as mx.array, the same as numpy when known on the host, else None)."""
+    if isinstance(slot_mapping, mx.array):
+        slots = slot_mapping
+        host = np.array(slots) if _ext.is_materialized(slots) else None
+    elif isinstance(slot_mapping, (np.ndarray, list, tuple)):
+        host = np.asarray(slot_mapping)
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"slot_mapping must hold integers, got dtype {host.dtype}")
+        slots = mx.array(host.astype(np.int64))
+    else:
+        raise TypeError("slot_mapping must be an mx.array (or numpy array/list), "
+                        f"got {type(slot_mapping).__name__}")
+    if slots.ndim != 1 or slots.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], "
+                         f"got shape {tuple(slots.shape)}")
+    if not mx.issubdtype(slots.dtype, mx.integer):
+        raise ValueError(f"slot_mapping must be an integer array, got {slots.dtype}")
+    if host is not None and host.size:
+        bad = np.nonzero((host < -1) | (host >= num_slots))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"slot_mapping[{i}] = {int(host[i])} is outside [-1, {num_slots}) "
+                             f"(num_blocks x block_size slots; -1 means no write)")
+    return slots, host
