@@ -59,9 +59,11 @@ def _device_of(stream) -> mx.Device:
         return mx.default_device()
     if isinstance(stream, mx.Device):
         return stream
+    if isinstance(stream, mx.DeviceType):  # mx.cpu / mx.gpu, as MLX ops accept
+        return mx.Device(stream)
     if isinstance(stream, mx.Stream):
         return stream.device
-    raise TypeError(f"stream must be an mx.Stream, mx.Device or None, got {type(stream).__name__}")
+    raise TypeError(f"stream must be an mx.Stream, mx.Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
 def attention_path(stream=None) -> tuple[str, str]:
@@ -206,6 +208,8 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
         return (scatter(key_cache, k, slots, lambda new, _: new),
                 scatter(value_cache, v, slots, lambda new, _: new))
 
+    if k.shape[0] == 0:
+        return key_cache, value_cache
     # Lazy slots: padding and out-of-range slots are pointed at the first real
     # write with that write's value, so duplicates in the scatter agree; with
     # no real write at all they rewrite slot 0 with its own content. This path

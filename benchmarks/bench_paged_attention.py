@@ -1,0 +1,130 @@
+"""Benchmarks the paged-attention primitive on MLX's CPU device (reported, not asserted).
+
+Prints, for decode and prefill shapes, the time per call and the effective KV
+bytes read per second beside this machine's measured memory-copy bandwidth,
+then a 28-layer write+read graph evaluated once vs with an eval per layer.
+
+    python benchmarks/bench_paged_attention.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from vllm_metal import ops  # first: gives MLX the fast BLAS
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # a Llama-3-8B-like layer
+
+
+def timeit(fn, min_time=0.5, min_reps=3):
+    fn()  # warm-up
+    reps, start = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < min_time:
+        fn()
+        reps += 1
+    return (time.perf_counter() - start) / reps
+
+
+def memcpy_bandwidth(nbytes=256 << 20):
+    """Read+write bytes per second of a large numpy copy (a STREAM-like copy)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    t = timeit(lambda: np.copyto(dst, src), min_time=1.0)
+    return 2 * nbytes / t
+
+
+def attention_case(num_seqs, context, new_tokens, dtype=mx.float16, rng=np.random.default_rng(0)):
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    kc = mx.array(rng.standard_normal(shape, np.float32)).astype(dtype)
+    vc = mx.array(rng.standard_normal(shape, np.float32)).astype(dtype)
+    bt = mx.array(rng.permutation(num_blocks).reshape(num_seqs, blocks_per_seq).astype(np.int32))
+    sl = mx.array(np.full(num_seqs, context, np.int32))
+    cu = mx.array(np.arange(num_seqs + 1, dtype=np.int32) * new_tokens)
+    q = mx.array(rng.standard_normal((num_seqs * new_tokens, HEADS, HEAD_DIM), np.float32)).astype(dtype)
+    mx.eval(kc, vc, q)
+    call = lambda: mx.eval(ops.paged_attention(q, kc, vc, bt, sl, cu, scale=HEAD_DIM ** -0.5))  # noqa: E731
+    kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * kc.itemsize
+    flops = 4 * num_seqs * new_tokens * HEADS * HEAD_DIM * (context - new_tokens / 2)
+    return timeit(call), kv_bytes, flops
+
+
+def layer_chain(eval_each_layer, layers=28, tokens=8, context=512):
+    """A decode step of `tokens` sequences through `layers` write+attend layers."""
+    rng = np.random.default_rng(1)
+    blocks = -(-context // BLOCK)
+    caches = [tuple(mx.zeros((tokens * blocks, BLOCK, KV_HEADS, HEAD_DIM), mx.float16) for _ in range(2))
+              for _ in range(layers)]
+    mx.eval(caches)
+    bt = mx.array(np.arange(tokens * blocks, dtype=np.int32).reshape(tokens, blocks))
+    sl = mx.array(np.full(tokens, context, np.int32))
+    cu = mx.array(np.arange(tokens + 1, dtype=np.int32))
+    slots = (np.arange(tokens) * blocks * BLOCK + context - 1).astype(np.int64)
+    x = mx.array(rng.standard_normal((tokens, HEADS, HEAD_DIM), np.float32)).astype(mx.float16)
+
+    def step():
+        nonlocal caches
+        h = x
+        for i in range(layers):
+            kv = h[:, :KV_HEADS]
+            kc, vc = ops.write_kv(*caches[i], kv, kv, slots)
+            caches[i] = (kc, vc)
+            h = h + ops.paged_attention(h, kc, vc, bt, sl, cu, scale=HEAD_DIM ** -0.5)
+            if eval_each_layer:
+                mx.eval(h, kc, vc)
+        mx.eval(h, caches)
+
+    return timeit(step)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    bw = memcpy_bandwidth()
+    print(f"# {platform.processor() or platform.machine()}, MLX {mx.__version__} on {mx.default_device()}")
+    print(f"memcpy bandwidth (read+write): {bw / 1e9:.1f} GB/s\n")
+    results = {"memcpy_GBps": bw / 1e9, "decode": [], "prefill": [], "chain": {}}
+
+    seqs = (1, 8, 64) if args.quick else (1, 4, 16, 64)
+    contexts = (512, 8192) if args.quick else (512, 2048, 8192)
+    print(f"decode (fp16, {HEADS} heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, block {BLOCK})")
+    print("| seqs | context | ms/call | KV GB/s | % of memcpy |")
+    print("|---:|---:|---:|---:|---:|")
+    for s in seqs:
+        for c in contexts:
+            if s * c > 64 * 2048 and args.quick:
+                continue
+            t, kv_bytes, _ = attention_case(s, c, 1)
+            print(f"| {s} | {c} | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} | {100 * kv_bytes / t / bw:.0f}% |")
+            results["decode"].append(dict(seqs=s, context=c, ms=t * 1e3, kv_GBps=kv_bytes / t / 1e9))
+
+    print("\nprefill (fp16, one sequence, all tokens new)")
+    print("| tokens | ms/call | GFLOP/s |")
+    print("|---:|---:|---:|")
+    for n in ((128, 512) if args.quick else (128, 512, 2048)):
+        t, _, flops = attention_case(1, n, n)
+        print(f"| {n} | {t * 1e3:.1f} | {flops / t / 1e9:.1f} |")
+        results["prefill"].append(dict(tokens=n, ms=t * 1e3, GFLOPs=flops / t / 1e9))
+
+    once, per_layer = layer_chain(False), layer_chain(True)
+    print("\n28-layer write+attend decode step (8 seqs x 512 context)")
+    print(f"one eval per step: {once * 1e3:.2f} ms; eval after every layer: {per_layer * 1e3:.2f} ms "
+          f"({per_layer / once:.2f}x)")
+    results["chain"] = dict(one_eval_ms=once * 1e3, eval_per_layer_ms=per_layer * 1e3)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+// Row conversions between the cache/query storage types and float32 for the
+// CPU kernel. bfloat16 -> float is a 16-bit shift; float16 uses the F16C
+// instructions where the variant is compiled with them. Every conversion is
+// exact (to float) or round-to-nearest-even (from float), like MLX's own.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "mlx/types/half_types.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace vllm_metal::cpu {
+
+namespace mx = mlx::core;
+
+inline void load_row(const float* src, int64_t stride, int n, float* dst) {
+  if (stride == 1) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  for (int d = 0; d < n; ++d) {
+    dst[d] = src[d * stride];
+  }
+}
+
+inline void load_row(const mx::bfloat16_t* src, int64_t stride, int n, float* dst) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int d = 0; d < n; ++d) {
+    uint32_t wide = static_cast<uint32_t>(bits[d * stride]) << 16;
+    std::memcpy(&dst[d], &wide, sizeof(float));
+  }
+}
+
+inline void load_row(const mx::float16_t* src, int64_t stride, int n, float* dst) {
+  int d = 0;
+#if defined(__F16C__)
+  if (stride == 1) {
+    for (; d + 8 <= n; d += 8) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
+    }
+  }
+#endif
+  for (; d < n; ++d) {
+    dst[d] = static_cast<float>(src[d * stride]);
+  }
+}
+
+inline void store_row(const float* src, int n, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void store_row(const float* src, int n, mx::bfloat16_t* dst) {
+  for (int d = 0; d < n; ++d) {
+    dst[d] = static_cast<mx::bfloat16_t>(src[d]);
+  }
+}
+
+inline void store_row(const float* src, int n, mx::float16_t* dst) {
+  int d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= n; d += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), h);
+  }
+#endif
+  for (; d < n; ++d) {
+    dst[d] = static_cast<mx::float16_t>(src[d]);
+  }
+}
+
+// Per-thread staging row for output conversion.
+inline float* scaled_row_buffer(int n) {
+  thread_local std::vector<float> row;
+  row.resize(n);
+  return row.data();
+}
+
+} // namespace vllm_metal::cpu

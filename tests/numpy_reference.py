@@ -1,0 +1,110 @@
+"""Independent float64 numpy references and random paged-batch builders.
+
+Nothing here uses vllm_metal or MLX kernels: these are the oracles the
+primitives are checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def paged_attention_f64(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                        scale, sliding_window=None, softcap=None):
+    """Straight-from-the-definition paged attention in float64, one token at a time."""
+    q = np.asarray(q, np.float64)
+    kc = np.asarray(key_cache, np.float64)
+    vc = np.asarray(value_cache, np.float64)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = kc.shape
+    group = num_heads // num_kv_heads
+    out = np.zeros_like(q)
+    for s in range(len(seq_lens)):
+        lo_tok, hi_tok = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        n, ctx = hi_tok - lo_tok, int(seq_lens[s])
+        positions = np.arange(ctx)
+        blocks = block_tables[s][positions // block_size]
+        keys = kc[blocks, positions % block_size]  # [ctx, kv_heads, D]
+        values = vc[blocks, positions % block_size]
+        for j in range(n):
+            pos = ctx - n + j
+            visible = positions <= pos
+            if sliding_window is not None:
+                visible &= positions > pos - sliding_window
+            for h in range(num_heads):
+                kvh = h // group
+                scores = keys[:, kvh] @ q[lo_tok + j, h] * scale
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
+                scores = np.where(visible, scores, -np.inf)
+                p = np.exp(scores - scores.max())
+                out[lo_tok + j, h] = (p / p.sum()) @ values[:, kvh]
+    return out
+
+
+@dataclass
+class PagedBatch:
+    """A random varlen batch over a physically shuffled paged cache (numpy)."""
+
+    q: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    cu_seqlens_q: np.ndarray
+    scale: float
+
+
+def make_batch(rng, *, new_tokens, context_lens, num_heads, num_kv_heads, head_dim,
+               block_size, dtype=np.float32, spare_blocks=3):
+    """new_tokens[s] tokens for sequence s whose total context is context_lens[s]."""
+    assert all(n <= c for n, c in zip(new_tokens, context_lens))
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    max_blocks = max(blocks_per_seq + [1]) + 1  # a spare column past every sequence
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = rng.permutation(num_blocks)  # physically non-contiguous blocks
+    block_tables = np.zeros((len(context_lens), max_blocks), np.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = order[used:used + nb]
+        block_tables[s, nb:] = -7  # garbage past the sequence's end must never be read
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    total = int(sum(new_tokens))
+    return PagedBatch(
+        q=rng.standard_normal((total, num_heads, head_dim)).astype(dtype),
+        key_cache=rng.standard_normal(shape).astype(dtype),
+        value_cache=rng.standard_normal(shape).astype(dtype),
+        block_tables=block_tables,
+        seq_lens=np.asarray(context_lens, np.int32),
+        cu_seqlens_q=np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32),
+        scale=float(head_dim) ** -0.5,
+    )
+
+
+def batch_lengths(rng, kind: str, block_size: int):
+    """(new_tokens, context_lens) for a 'decode', 'prefill' or 'mixed' batch."""
+    if kind == "decode":
+        ctx = rng.integers(1, 9 * block_size, size=int(rng.integers(1, 5)))
+        return [1] * len(ctx), ctx.tolist()
+    if kind == "prefill":
+        new = rng.integers(1, 40, size=int(rng.integers(1, 4)))
+        return new.tolist(), new.tolist()
+    # mixed: decodes, fresh prefills, and chunked prefills continuing a cache
+    new, ctx = [], []
+    for _ in range(int(rng.integers(2, 5))):
+        role = rng.integers(3)
+        if role == 0:
+            new.append(1)
+            ctx.append(int(rng.integers(1, 6 * block_size)))
+        elif role == 1:
+            n = int(rng.integers(2, 30))
+            new.append(n)
+            ctx.append(n)
+        else:
+            n = int(rng.integers(2, 30))
+            new.append(n)
+            ctx.append(n + int(rng.integers(1, 4 * block_size)))
+    return new, ctx

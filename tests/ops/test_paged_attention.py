@@ -1,0 +1,145 @@
+"""ops.paged_attention against an independent float64 numpy reference.
+
+The matrix covers GQA ratios 1/2/4/8, block sizes 8/16/32, head dims
+64/80/128/256, float32/float16/bfloat16, physically permuted blocks, context
+lengths that are not block multiples, decode/prefill/mixed batches, sliding
+window and softcap, plus long contexts that cross the CPU kernel's key
+partitions (split across threads, and merged in place).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import TOLERANCE, to_mx, to_np
+from numpy_reference import batch_lengths, make_batch, paged_attention_f64
+
+from vllm_metal import ops
+
+GQA = (1, 2, 4, 8)
+HEAD_DIMS = (64, 80, 128, 256)
+DTYPES = ("float32", "float16", "bfloat16")
+BLOCK_SIZES = (8, 16, 32)
+KINDS = ("decode", "prefill", "mixed")
+
+# Every (gqa, head_dim, dtype) once; block size, batch kind, window and softcap
+# rotate so that each value meets every dtype.
+CASES = [
+    (gqa, hd, dt, BLOCK_SIZES[i % 3], KINDS[(i // 3) % 3], (None, 13)[i % 2], (None, 20.0)[(i // 2) % 2])
+    for i, (gqa, hd, dt) in enumerate(itertools.product(GQA, HEAD_DIMS, DTYPES))
+]
+
+
+def run_case(rng, *, gqa, head_dim, dtype, block_size, new_tokens, context_lens,
+             sliding_window=None, softcap=None, num_kv_heads=2):
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    b = make_batch(rng, new_tokens=new_tokens, context_lens=context_lens,
+                   num_heads=gqa * num_kv_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, block_size=block_size, dtype=np_dtype)
+    q, kc, vc = (to_mx(x, dtype) for x in (b.q, b.key_cache, b.value_cache))
+    args = (q, kc, vc, mx.array(b.block_tables), mx.array(b.seq_lens), mx.array(b.cu_seqlens_q))
+    kwargs = dict(scale=b.scale, sliding_window=sliding_window, softcap=softcap)
+    out = ops.paged_attention(*args, **kwargs)
+    ref = ops.paged_attention_reference(*args, **kwargs)
+    mx.eval(out, ref)
+    # The oracle sees exactly the values stored (after bf16/f16 rounding).
+    expected = paged_attention_f64(to_np(q), to_np(kc), to_np(vc), b.block_tables, b.seq_lens,
+                                   b.cu_seqlens_q, b.scale, sliding_window, softcap)
+    return args, kwargs, out, ref, expected
+
+
+@pytest.mark.parametrize("gqa,head_dim,dtype,block_size,kind,window,softcap", CASES)
+def test_matches_float64_reference(rng, gqa, head_dim, dtype, block_size, kind, window, softcap):
+    new, ctx = batch_lengths(rng, kind, block_size)
+    args, kwargs, out, ref, expected = run_case(
+        rng, gqa=gqa, head_dim=head_dim, dtype=dtype, block_size=block_size,
+        new_tokens=new, context_lens=ctx, sliding_window=window, softcap=softcap)
+    assert out.dtype == args[0].dtype and out.shape == args[0].shape
+    atol, rtol = TOLERANCE[dtype]
+    np.testing.assert_allclose(to_np(out), expected, atol=atol, rtol=rtol)
+    # The plain-MLX reference agrees with the primitive and the oracle.
+    np.testing.assert_allclose(to_np(ref), expected, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(to_np(out), to_np(ref), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["decode_split", "mixed_long"])
+def test_long_context_partitions(rng, dtype, layout):
+    # decode_split: few sequences, so partitions run as parallel units whose
+    # partials are merged afterwards. mixed_long: enough units that partitions
+    # are merged in place inside each unit.
+    if layout == "decode_split":
+        new, ctx = [1], [3000]
+    else:
+        new, ctx = [1, 1, 40, 1, 1, 1], [2100, 1500, 2600, 30, 1025, 1024]
+    _, _, out, _, expected = run_case(rng, gqa=4, head_dim=64, dtype=dtype, block_size=16,
+                                      new_tokens=new, context_lens=ctx, sliding_window=None)
+    atol, rtol = TOLERANCE[dtype]
+    np.testing.assert_allclose(to_np(out), expected, atol=atol, rtol=rtol)
+
+
+def test_window_crossing_partitions(rng):
+    _, _, out, _, expected = run_case(rng, gqa=2, head_dim=64, dtype="float32", block_size=32,
+                                      new_tokens=[3, 1], context_lens=[2050, 1030],
+                                      sliding_window=700, softcap=30.0)
+    np.testing.assert_allclose(to_np(out), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_bit_identical_run_to_run(rng):
+    new, ctx = batch_lengths(rng, "mixed", 16)
+    args, kwargs, out, _, _ = run_case(rng, gqa=4, head_dim=128, dtype="bfloat16", block_size=16,
+                                       new_tokens=new, context_lens=ctx)
+    first = np.array(out.view(mx.uint16))
+    for _ in range(3):
+        again = ops.paged_attention(*args, **kwargs)
+        assert np.array_equal(np.array(again.view(mx.uint16)), first)
+
+
+def test_batch_invariant(rng):
+    # A sequence's rows do not depend on what else is in the batch.
+    args, kwargs, out, _, _ = run_case(rng, gqa=2, head_dim=64, dtype="float32", block_size=16,
+                                       new_tokens=[1, 7, 1], context_lens=[1500, 7, 90])
+    q, kc, vc, bt, sl, cu = args
+    alone = ops.paged_attention(q[1:8], kc, vc, bt[1:2], sl[1:2], mx.array([0, 7], mx.int32), **kwargs)
+    assert np.array_equal(np.array(alone), np.array(out[1:8]))
+    alone = ops.paged_attention(q[0:1], kc, vc, bt[0:1], sl[0:1], mx.array([0, 1], mx.int32), **kwargs)
+    assert np.array_equal(np.array(alone), np.array(out[0:1]))
+
+
+def test_strided_inputs(rng):
+    # Lazy inputs may be views with arbitrary strides; the kernel reads strides.
+    args, kwargs, out, _, expected = run_case(rng, gqa=2, head_dim=64, dtype="float32",
+                                              block_size=8, new_tokens=[3, 1], context_lens=[20, 9])
+    q, kc, vc, bt, sl, cu = args
+    q_t = mx.array(np.ascontiguousarray(np.array(q).transpose(1, 0, 2))).transpose(1, 0, 2)
+    kc_t = mx.array(np.ascontiguousarray(np.array(kc).transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    strided = ops.paged_attention(q_t, kc_t, vc, bt, sl, cu, **kwargs)
+    assert np.array_equal(np.array(strided), np.array(out))
+
+
+def test_zero_new_tokens_and_empty_batch(rng):
+    # A sequence with no new tokens contributes no rows; an empty batch is fine.
+    _, _, out, _, expected = run_case(rng, gqa=1, head_dim=64, dtype="float32", block_size=8,
+                                      new_tokens=[2, 0, 1], context_lens=[5, 9, 3])
+    np.testing.assert_allclose(to_np(out), expected, atol=2e-5, rtol=1e-4)
+    kc = mx.zeros((4, 8, 1, 64))
+    empty = ops.paged_attention(mx.zeros((0, 1, 64)), kc, kc, mx.zeros((0, 2), mx.int32),
+                                mx.zeros((0,), mx.int32), mx.zeros((1,), mx.int32), scale=0.125)
+    assert empty.shape == (0, 1, 64)
+    mx.eval(empty)
+
+
+def test_is_lazy(rng):
+    # Building the op computes nothing: a bad block id only surfaces at eval.
+    kc = mx.zeros((2, 8, 1, 64))
+    out = ops.paged_attention(mx.zeros((1, 1, 64)), kc, kc, mx.array([[5]], mx.int32),
+                              mx.array([1], mx.int32), mx.array([0, 1], mx.int32), scale=0.125)
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 0\] = 5 is out of range"):
+        mx.eval(out)
+
+
+def test_native_path_on_cpu():
+    assert ops.attention_path(mx.cpu)[0] == "cpu"

@@ -1,0 +1,110 @@
+"""ops.write_kv: functional scatter into the paged cache, donated in place."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_metal import ops
+
+address = ops._ext.buffer_address
+
+
+def random_cache(rng, shape=(16, 8, 2, 32), dtype=mx.float32):
+    kc = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    vc = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    mx.eval(kc, vc)
+    return kc, vc
+
+
+def expected_after(cache: np.ndarray, new: np.ndarray, slots) -> np.ndarray:
+    flat = cache.reshape(-1, *cache.shape[2:]).copy()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            flat[s] = new[i]
+    return flat.reshape(cache.shape)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("form", ["list", "numpy", "mx_materialized", "mx_lazy"])
+@pytest.mark.parametrize("slots", [[5, 17, 127], [5, -1, 17, -1], [-1, -1], []])
+def test_writes_exactly_the_slots(rng, dtype, form, slots):
+    kc, vc = random_cache(rng, dtype=dtype)
+    before_k, before_v = np.array(kc.astype(mx.float32)), np.array(vc.astype(mx.float32))
+    k = mx.array(rng.standard_normal((len(slots), 2, 32)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((len(slots), 2, 32)).astype(np.float32)).astype(dtype)
+    mapping = {
+        "list": slots,
+        "numpy": np.array(slots, np.int64),
+        "mx_materialized": mx.array(np.array(slots, np.int32)),
+        "mx_lazy": mx.array(np.array(slots, np.int32)) + 0,  # still a graph node
+    }[form]
+    kc2, vc2 = ops.write_kv(kc, vc, k, v, mapping)
+    np.testing.assert_array_equal(np.array(kc2.astype(mx.float32)),
+                                  expected_after(before_k, np.array(k.astype(mx.float32)), slots))
+    np.testing.assert_array_equal(np.array(vc2.astype(mx.float32)),
+                                  expected_after(before_v, np.array(v.astype(mx.float32)), slots))
+
+
+def test_donated_in_place_without_peak_growth(rng):
+    kc, vc = random_cache(rng, shape=(256, 16, 4, 64))  # 4 MiB each
+    k_addr, v_addr = address(kc), address(vc)
+    k = mx.array(rng.standard_normal((3, 4, 64)).astype(np.float32))
+    mx.eval(k)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for step in range(5):
+        kc, vc = ops.write_kv(kc, vc, k, k, [step, 100 + step, -1])  # old refs dropped
+        mx.eval(kc, vc)
+    assert (address(kc), address(vc)) == (k_addr, v_addr), "cache buffers were copied"
+    # A copy of either cache would add >= 4 MiB to the peak.
+    assert mx.get_peak_memory() - base < 1 << 20
+
+
+def test_kept_reference_is_not_clobbered(rng):
+    # Holding the old cache keeps it intact: then the write must copy.
+    kc, vc = random_cache(rng)
+    old = np.array(kc)
+    k = mx.ones((1, 2, 32))
+    kc2, _ = ops.write_kv(kc, vc, k, k, [3])
+    mx.eval(kc2)
+    assert np.array_equal(np.array(kc), old)
+    assert address(kc2) != address(kc)
+
+
+def test_out_of_range_slots(rng):
+    kc, vc = random_cache(rng)
+    k = mx.ones((2, 2, 32))
+    for bad in ([3, 128], [-2, 0]):
+        with pytest.raises(ValueError, match=r"slot_mapping\[\d\] = -?\d+ is outside \[-1, 128\)"):
+            ops.write_kv(kc, vc, k, k, bad)
+        with pytest.raises(ValueError, match="is outside"):
+            ops.write_kv(kc, vc, k, k, mx.array(bad))
+    # A lazy mapping cannot be checked before evaluation: bad slots write nothing.
+    before = np.array(kc)
+    kc2, _ = ops.write_kv(kc, vc, k * 7, k, mx.array([3, 500]) + 0)
+    after = np.array(kc2).reshape(128, 2, 32)
+    assert np.all(after[3] == 7)
+    after[3] = before.reshape(128, 2, 32)[3]
+    assert np.array_equal(after, before.reshape(128, 2, 32))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: dict(a, k=a["k"][0]), "k must be"),
+        (lambda a: dict(a, v=a["v"].astype(mx.float16)), "v dtype"),
+        (lambda a: dict(a, value_cache=a["value_cache"][:4]), "value_cache"),
+        (lambda a: dict(a, key_cache=a["key_cache"][0]), "key_cache must have rank 4"),
+        (lambda a: dict(a, slot_mapping=[1]), r"slot_mapping must be \[num_tokens\]"),
+        (lambda a: dict(a, slot_mapping=[1.5, 2.0]), "integers"),
+        (lambda a: dict(a, k=np.ones((2, 2, 32))), "k must be an mx.array"),
+    ],
+)
+def test_bad_arguments_name_the_problem(rng, change, message):
+    kc, vc = random_cache(rng)
+    args = dict(key_cache=kc, value_cache=vc, k=mx.ones((2, 2, 32)), v=mx.ones((2, 2, 32)),
+                slot_mapping=[0, 1])
+    with pytest.raises((ValueError, TypeError), match=message):
+        ops.write_kv(**change(args))
