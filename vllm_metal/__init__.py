@@ -6,6 +6,8 @@ process to call `register()`. The primitives live in `vllm_metal.ops`.
 
 from __future__ import annotations
 
+import os
+
 __version__ = "0.1.0"
 
 
@@ -15,6 +17,20 @@ def register() -> str | None:
     Returns the platform class path when this host should use the plugin,
     else None. Cheap, idempotent, and never imports MLX.
     """
-    from vllm_metal.activation import platform_class_if_active
+    from vllm_metal import activation, envs
 
-    return platform_class_if_active()
+    platform_class = activation.platform_class_if_active()
+    if platform_class is None:
+        return None
+    try:
+        import vllm.envs as vllm_envs
+    except ImportError:  # called outside vLLM: nothing to tell it
+        pass
+    else:
+        # Known to vLLM, so it does not warn about unknown VLLM_* variables.
+        for name, getter in envs.environment_variables().items():
+            vllm_envs.environment_variables.setdefault(name, getter)
+    if activation.is_apple_silicon():
+        # Forking after Metal / Objective-C initialised crashes the child.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    return platform_class

@@ -6,15 +6,16 @@ module turns that file into a Hugging Face style model directory that both
 directory) can load, without network access and byte-for-byte reproducibly:
 
 * ``config.json``             LlamaForCausalLM config + mlx-lm ``quantization``
-* ``model.safetensors``       MLX 4-bit affine weights (group size 32) in mlx-lm
-                              llama naming; scales/biases and norms in float32
+* ``model.safetensors``       mlx-lm llama naming; MLX affine quantized weights,
+                              group size 32: 4-bit layers (Q4_1), 8-bit tied
+                              embedding (Q8_0); scales/biases and norms float32
 * ``tokenizer.json``,
   ``tokenizer_config.json``   byte-level BPE rebuilt from the GGUF vocab/merges,
                               chat template from ``tokenizer.chat_template``
 * ``generation_config.json``  bos/eos/pad ids
 
-Q4_1 blocks map exactly onto MLX affine quantization (``w = scale * q + bias``),
-so no re-quantization happens.  llama.cpp's converter permutes the rows of the
+Q4_1/Q8_0 blocks map exactly onto MLX affine quantization (``w = scale * q +
+bias``), so nothing is re-quantized.  llama.cpp's converter permutes the rows of the
 Q and K projections for its rope layout; that permutation is undone here on the
 packed rows together with their scales and biases.
 
@@ -67,20 +68,11 @@ SAMPLE_TEXT = (
 )
 
 # GGUF tensor names -> mlx-lm llama module names.
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {  # inside blk.N -> model.layers.N
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 
@@ -124,11 +116,7 @@ def build_config(meta: dict, quantization: dict, tied: bool) -> dict:
         "rope_theta": g("rope.freq_base"),
         "rope_scaling": None,
         "attention_bias": False,
-        "attention_dropout": 0.0,
         "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "tie_word_embeddings": tied,
         "bos_token_id": _py(meta["tokenizer.ggml.bos_token_id"]),
@@ -174,9 +162,8 @@ def convert_weights(tensors: dict, meta: dict) -> tuple[dict, dict]:
             x = x.astype(mx.float32)  # norms + quantization scales/biases in fp32
         if suffix == "scales":
             # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 values; a uint32 packs 32 bits.
-            packed_cols, n_groups = tensors[f"{stem}.weight"].shape[1], x.shape[1]
-            in_features = _GGUF_BLOCK * n_groups
-            quant[target] = (_GGUF_BLOCK, packed_cols * 32 // in_features)
+            in_features = _GGUF_BLOCK * x.shape[1]
+            quant[target] = (_GGUF_BLOCK, tensors[f"{stem}.weight"].shape[1] * 32 // in_features)
         out[f"{target}.{suffix}"] = x
     for key in [k for k in out if k.endswith(".weight") and out[k].ndim == 2]:
         if out[key].dtype != mx.uint32:
@@ -199,17 +186,17 @@ def build_tokenizer_json(meta: dict) -> str:
     """Byte-level BPE tokenizer.json equivalent to llama.cpp's 'smollm' vocab."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+    if (meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")) != ("gpt2", "smollm"):
+        raise ValueError("only the byte-level BPE 'smollm' GGUF tokenizer is supported")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # llama.cpp 'smollm' pre-tokenizer: single digits, then the GPT-2 regex.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
@@ -261,18 +248,14 @@ def convert(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     config = build_config(meta, _quantization_entry(quant), tied)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
-    eos = [config["eos_token_id"]] + [i for i in _control_ids(meta)[:1] if i != config["eos_token_id"]]
+    endoftext = meta["tokenizer.ggml.tokens"].index("<|endoftext|>")
     _write_json(out / "generation_config.json", {
         "bos_token_id": config["bos_token_id"],
-        "eos_token_id": eos,  # <|im_end|>, then <|endoftext|>
+        "eos_token_id": [config["eos_token_id"], endoftext],  # <|im_end|>, <|endoftext|>
         "pad_token_id": config["pad_token_id"],
     })
     (out / "tokenizer.json").write_text(build_tokenizer_json(meta))
     _write_json(out / "tokenizer_config.json", build_tokenizer_config(meta))
-    _write_json(out / "special_tokens_map.json", {
-        k: build_tokenizer_config(meta)[k]
-        for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")
-    })
 
 
 def _file_sha256(path: Path) -> str:

@@ -31,6 +31,11 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "Linux only: 'auto' loads an optimized OpenBLAS before MLX, a path loads that "
         "library, 'reference' keeps the mlx-cpu wheel's slow reference BLAS.",
     ),
+    "VLLM_METAL_DEQUANTIZE": (
+        "auto",
+        "Expand MLX-quantized weights at load: 'auto' on MLX's CPU device (its quantized "
+        "matmul is far slower than BLAS) and not on Metal; '1' always; '0' never.",
+    ),
     "VLLM_METAL_CPU_THREADS": (
         None,
         "Threads used by the CPU paged-attention kernel (default: all cores).",

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up everything (scripts/setup.sh) and runs the whole test suite.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k paged).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python -m pytest tests -q -ra "$@"

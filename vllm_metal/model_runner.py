@@ -1,0 +1,201 @@
+"""Runs vLLM's scheduler output on an MLX model: one lazy graph per step.
+
+execute_model: update the persistent batch, pack every scheduled token of
+every request (decode, prefill, chunked prefill) into one varlen batch, build
+the whole forward pass -- every layer's K/V write and paged attention -- as a
+single lazy MLX graph, and evaluate it once together with the new caches.
+sample_tokens: apply the grammar bitmask and sample with vLLM's Sampler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+from vllm_metal import envs
+from vllm_metal.models.attention_adapter import PagedKVCache, StepAttentionInputs
+from vllm_metal.models.loader import LoadedModel, load_model
+from vllm_metal.persistent_batch import PersistentBatch
+from vllm_metal.sampling import prompt_logprobs_chunk, sample
+from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+
+logger = init_logger(__name__)
+
+TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16: torch.bfloat16}
+
+
+@dataclass
+class _PendingStep:
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor  # [num_rows, vocab] float32: each row's last token
+    discard: list[bool]  # rows still in chunked prefill: no token this step
+    prompt_logprobs: dict[str, LogprobsTensors | None]
+
+
+class MetalModelRunner:
+    def __init__(self, vllm_config, device: str):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.device = device
+        self.sync_per_layer = envs.get_bool("VLLM_METAL_SYNC_PER_LAYER")
+        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), False, is_pooling_model=False,
+                                             custom_logitsprocs=self.model_config.logits_processors or ())
+        self.batch = PersistentBatch(self.logitsprocs)
+        self.model: LoadedModel | None = None
+        self.kv: PagedKVCache | None = None
+        self.block_sizes: list[int] = []
+        self.vocab_size = self.model_config.get_vocab_size()
+        self.evaluations = 0  # graph evaluations so far (instrumentation for tests)
+        self._pending: _PendingStep | None = None
+
+    # ---- start-up -------------------------------------------------------
+
+    def load_model(self) -> None:
+        dtype = TORCH_DTYPES.get(self.model_config.dtype)
+        if dtype is None:
+            raise ValueError(f"dtype {self.model_config.dtype} is not supported by vllm-metal "
+                             "(use float32, float16 or bfloat16)")
+        choice = (envs.get("VLLM_METAL_DEQUANTIZE") or "auto").strip().lower()
+        dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
+        start = time.perf_counter()
+        self.model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize)
+        logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs", self.model_config.model, dtype,
+                    ", MLX-quantized" if self.model.quantized else "", self.device,
+                    time.perf_counter() - start)
+
+    def weights_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.model.parameters()))
+
+    def layer_name(self, i: int) -> str:
+        return f"model.layers.{i}.self_attn"
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        m = self.model
+        block_size = self.vllm_config.cache_config.block_size
+        dtype = MX_TO_TORCH[m.dtype]
+        specs: dict[str, KVCacheSpec] = {}
+        for i, window in enumerate(m.sliding_windows):
+            common = dict(block_size=block_size, num_kv_heads=m.num_kv_heads, head_size=m.head_dim, dtype=dtype)
+            specs[self.layer_name(i)] = (SlidingWindowSpec(sliding_window=window, **common) if window
+                                         else FullAttentionSpec(**common))
+        return specs
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        m = self.model
+        layer_group = [0] * m.num_layers
+        index = {self.layer_name(i): i for i in range(m.num_layers)}
+        self.block_sizes = []
+        for g, group in enumerate(config.kv_cache_groups):
+            self.block_sizes.append(group.kv_cache_spec.block_size)
+            for name in group.layer_names:
+                layer_group[index[name]] = g
+        # Block 0 is vLLM's null block: allocated, never handed to a request.
+        shapes = [(config.num_blocks, self.block_sizes[g], m.num_kv_heads, m.head_dim) for g in layer_group]
+        keys = [mx.zeros(s, dtype=m.dtype) for s in shapes]
+        values = [mx.zeros(s, dtype=m.dtype) for s in shapes]
+        mx.eval(keys, values)
+        self.kv = PagedKVCache(keys, values, layer_group)
+        if self.sync_per_layer:
+            self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
+        logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,
+                    self.block_sizes, m.num_layers, sum(k.nbytes + v.nbytes for k, v in zip(keys, values)) / 2**30)
+
+    def warm_up(self) -> None:
+        """One tiny forward into the null block, so the first request does not
+        pay for lazy initialisation."""
+        inputs = build_step_inputs([ScheduledRow([0], 0, [[0]] * len(self.block_sizes))], self.block_sizes)
+        self._forward(inputs, np.array([0]))
+
+    # ---- per step -------------------------------------------------------
+
+    def _evaluate(self, *arrays) -> None:
+        self.evaluations += 1
+        mx.eval(*arrays)
+
+    def _forward(self, inputs, logit_rows: np.ndarray) -> np.ndarray:
+        """The whole model over the packed step, evaluated once (or per layer)."""
+        kv = self.kv
+        kv.step = StepAttentionInputs(
+            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
+            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
+            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings)
+        try:
+            hidden = self.model.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            logits = self.model.logits(hidden[mx.array(logit_rows.astype(np.int32))])
+            self._evaluate(logits, kv.keys, kv.values)
+        finally:
+            kv.step = None
+        return np.array(logits, copy=False)
+
+    def execute_model(self, so: SchedulerOutput):
+        self.batch.update(so)
+        self._pending = None
+        if so.total_num_scheduled_tokens == 0 or not self.batch.rows:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        states = self.batch.states()
+        rows, discard, logit_rows, prompt_rows = [], [], [], []
+        offset = 0
+        for state in states:
+            n = so.num_scheduled_tokens[state.req_id]
+            start = state.num_computed_tokens
+            rows.append(ScheduledRow(state.tokens(start, start + n), start, state.block_ids))
+            discard.append(start + n < state.num_tokens)
+            logit_rows.append(offset + n - 1)
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                m = min(start + n, num_prompt - 1) - start
+                prompt_rows.append((state, start, offset, m))
+            offset += n
+        inputs = build_step_inputs(rows, self.block_sizes)
+        extra = [offset_ + j for _, _, offset_, m in prompt_rows for j in range(m)]
+        logits = torch.from_numpy(self._forward(inputs, np.array(logit_rows + extra, np.int64)))
+
+        prompt_logprobs: dict[str, LogprobsTensors | None] = {}
+        cursor = len(states)
+        for state, start, _, m in prompt_rows:
+            prompt_logprobs_chunk(state, logits[cursor:cursor + m], start, self.vocab_size)
+            cursor += m
+            if start + m >= len(state.prompt_token_ids) - 1:  # prompt complete: hand over
+                prompt_logprobs[state.req_id] = state.prompt_logprobs
+        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, prompt_logprobs)
+        return None  # the engine calls sample_tokens next
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        states = self.batch.states()
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.scheduler_output, grammar_output, self.batch, pending.logits)
+        out = sample(self.sampler, pending.logits, states, pending.discard, self.vocab_size, self.logitsprocs)
+        sampled = out.sampled_token_ids.tolist()
+        tokens: list[list[int]] = []
+        for state, row, dropped in zip(states, sampled, pending.discard):
+            if dropped:
+                tokens.append([])
+                continue
+            state.output_token_ids.extend(row)
+            tokens.append(row)
+        req_ids = self.batch.req_ids
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=tokens,
+            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
+            prompt_logprobs_dict=pending.prompt_logprobs,
+        )

@@ -1,0 +1,1 @@
+"""mlx-lm models served through the paged-attention primitives."""

@@ -1,0 +1,108 @@
+"""Loads an mlx-lm model directory and prepares it for the paged path.
+
+Any mlx-lm architecture whose attention modules expose q/k/v/o projections,
+RoPE and head counts (llama, mistral, qwen2, qwen3, ... ) is served; others
+get a clear NotImplementedError naming what is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from vllm_metal.models.attention_adapter import PagedAttentionLayer  # noqa: E402
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """An mlx-lm model with paged attention layers, and the facts the KV cache needs."""
+
+    model: nn.Module
+    config: dict
+    dtype: mx.Dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_windows: list[int | None]  # per layer
+    quantized: bool  # weights still MLX-quantized after loading
+
+    def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
+        """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""
+        return self.model.model(token_ids[None], cache=cache_views)[0]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final hidden rows -> float32 logits [rows, vocab] (lazy)."""
+        if getattr(self.model, "lm_head", None) is not None:
+            out = self.model.lm_head(hidden)
+        else:
+            out = self.model.model.embed_tokens.as_linear(hidden)
+        return out.astype(mx.float32)
+
+
+def _has_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False) -> LoadedModel:
+    """Load `model_dir` (an mlx-lm directory) for the paged path.
+
+    dtype: activations / KV cache / unquantized weights. dequantize: expand
+    MLX-quantized weights to `dtype` (MLX's CPU quantized matmul is far slower
+    than BLAS, so the CPU device wants this; Metal does not).
+    """
+    from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json); give a local "
+                                "mlx-lm / Hugging Face model directory")
+    try:
+        model, config = mlx_lm_load_model(path)
+    except ValueError as e:
+        raise NotImplementedError(f"mlx-lm cannot build model type "
+                                  f"{_model_type(path)!r}: {e}") from e
+    if dequantize and _has_quantized(model):
+        model = dequantize_model(model)
+    model.set_dtype(DTYPES[dtype])  # floating parameters only; quantized ints stay
+
+    inner = getattr(model, "model", None)
+    layers = getattr(model, "layers", None) or getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "embed_tokens"):
+        raise NotImplementedError(f"model type {config.get('model_type')!r}: expected an mlx-lm "
+                                  "decoder with .model.embed_tokens and .layers")
+    windows = []
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "
+                                      "self_attn (not a plain attention decoder)")
+        window = config.get("sliding_window") if getattr(layer, "use_sliding", False) else None
+        layer.self_attn = PagedAttentionLayer(attn, window)
+        windows.append(window)
+    first = layers[0].self_attn.inner
+    head_dim = first.k_proj.weight.shape[0] // first.n_kv_heads
+    if isinstance(first.k_proj, nn.QuantizedLinear):
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    mx.eval(model.parameters())
+    return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
+                       num_kv_heads=first.n_kv_heads, head_dim=head_dim, sliding_windows=windows,
+                       quantized=_has_quantized(model))
+
+
+def _model_type(path: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None

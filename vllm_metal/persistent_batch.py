@@ -1,0 +1,144 @@
+"""The runner's view of live requests, kept across engine steps.
+
+vLLM's scheduler sends only what changed each step (new requests, newly
+computed token counts, new blocks, finished ids). This module keeps every
+request's full state and the ordered batch of rows that run this step, and
+tells vLLM's logits processors how rows were added, removed and moved.
+Preempted requests leave the batch but keep their state until they resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.logits_processor import MoveDirectionality
+from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[list[int]]  # per KV-cache group
+    num_computed_tokens: int
+    # Appended in place: vLLM's logits processors hold a reference to it.
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: LogprobsTensors | None = None  # filled chunk by chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids[start:] if start < n else []) + \
+            self.output_token_ids[max(start - n, 0):end - n]
+
+
+class PersistentBatch:
+    """Request states plus the row order of the running batch (no holes after
+    `update`)."""
+
+    def __init__(self, logitsprocs):
+        self.requests: dict[str, RequestState] = {}
+        self.rows: list[str | None] = []
+        self.logitsprocs = logitsprocs
+        self._updates = BatchUpdateBuilder()
+
+    @property
+    def req_ids(self) -> list[str]:  # also what vLLM's apply_grammar_bitmask reads
+        return [r for r in self.rows if r is not None]
+
+    def states(self) -> list[RequestState]:
+        return [self.requests[r] for r in self.req_ids]
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Applies one SchedulerOutput; afterwards `rows` are the rows to run."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._remove(req_id)
+        cached = so.scheduled_cached_reqs
+        for req_id in list(self.rows):
+            # Not scheduled this step (preempted, or waiting): leave the batch,
+            # keep the state.
+            if req_id is not None and (req_id not in so.num_scheduled_tokens
+                                       or req_id in cached.resumed_req_ids):
+                self._remove(req_id)
+
+        to_add: list[RequestState] = []
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            if params is None:
+                raise ValueError(f"request {new.req_id}: only generation (sampling) requests are supported")
+            generator = None
+            if params.sampling_type == SamplingType.RANDOM_SEED:
+                generator = torch.Generator(device="cpu")
+                generator.manual_seed(params.seed)
+            state = RequestState(new.req_id, list(new.prompt_token_ids or []), params, generator,
+                                 [list(b) for b in new.block_ids], new.num_computed_tokens)
+            self.requests[new.req_id] = state
+            to_add.append(state)
+
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = [list(b) for b in new_blocks]
+            elif new_blocks is not None:
+                for group, ids in zip(state.block_ids, new_blocks):
+                    group.extend(ids)
+            if req_id in cached.all_token_ids:
+                # Full token list for a request not scheduled last step.
+                tokens = cached.all_token_ids[req_id]
+                del state.output_token_ids[:]
+                state.output_token_ids.extend(tokens[len(state.prompt_token_ids):])
+            if cached.num_output_tokens[i] < len(state.output_token_ids):
+                del state.output_token_ids[cached.num_output_tokens[i]:]
+            if req_id not in self.rows:
+                to_add.append(state)
+
+        for state in to_add:
+            self._add(state)
+        self._condense()
+        update = self._updates.get_and_reset(len(self.rows))
+        for proc in self.logitsprocs.all:
+            proc.update_state(update)
+
+    def _remove(self, req_id: str) -> None:
+        if req_id in self.rows:
+            i = self.rows.index(req_id)
+            self.rows[i] = None
+            self._updates.removed_append(i)
+
+    def _add(self, state: RequestState) -> None:
+        i = self._updates.pop_removed()
+        if i is None:
+            i = len(self.rows)
+            self.rows.append(state.req_id)
+        else:
+            self.rows[i] = state.req_id
+        self._updates.added.append((i, state.sampling_params, state.prompt_token_ids,
+                                    state.output_token_ids))
+
+    def _condense(self) -> None:
+        """Moves the last rows into holes so rows are dense, like vLLM's InputBatch."""
+        while self._updates.removed:
+            hole = self._updates.peek_removed()
+            last = max((j for j, r in enumerate(self.rows) if r is not None), default=-1)
+            if last < hole:
+                break
+            self._updates.pop_removed()
+            self.rows[hole], self.rows[last] = self.rows[last], None
+            self._updates.moved.append((last, hole, MoveDirectionality.UNIDIRECTIONAL))
+        # Trailing holes stay registered as removed, as vLLM's InputBatch does.
+        while self.rows and self.rows[-1] is None:
+            self.rows.pop()

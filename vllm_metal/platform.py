@@ -1,0 +1,153 @@
+"""The vLLM platform for MLX: what the device is and which config it forces.
+
+vLLM imports this in the API process and in the engine process. It must not
+touch `vllm.platforms.current_platform` at import (that re-enters platform
+resolution), and it never imports MLX: the worker does, in the engine process.
+"""
+
+from __future__ import annotations
+
+import platform as _host
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_metal import activation, envs
+
+logger = init_logger(__name__)
+
+
+def mlx_device_name() -> str:
+    """'gpu' or 'cpu': the MLX device the worker will use (decided without MLX)."""
+    chosen = (envs.get("VLLM_METAL_DEVICE") or "").strip().lower()
+    if chosen in ("gpu", "cpu"):
+        return chosen
+    return "gpu" if activation.is_apple_silicon() else "cpu"
+
+
+class MetalPlatform(Platform):
+    # OOT, not CPU: vLLM routes is_cpu() platforms to its compiled torch.ops._C
+    # sampling kernels, which this platform never loads.
+    _enum = PlatformEnum.OOT
+    device_name: str = "mlx"
+    # Host tensors (sampling, logits) are torch CPU tensors; the model runs in MLX.
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    ray_device_key: str = ""
+    dist_backend: str = "gloo"
+    device_control_env_var: str = "VLLM_METAL_DEVICE"
+    # torch.compile'd helpers (logprob ranks) run eagerly: no inductor / C++ JIT.
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # The first entry is what float32 checkpoints are served in by default:
+        # Metal is fastest in bfloat16; MLX's CPU device only has fast float32
+        # matmul (BLAS), so there float32 comes first.
+        if mlx_device_name() == "cpu":
+            return [torch.float32, torch.bfloat16, torch.float16]
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        if mlx_device_name() == "gpu":
+            return f"Apple {_host.machine()} GPU (MLX Metal)"
+        return f"{_host.processor() or _host.machine()} CPU (MLX)"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        from vllm_metal.memory import device_total_memory
+
+        return device_total_memory(mlx_device_name())
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        import psutil
+
+        return float(psutil.Process().memory_info().rss)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return None
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        # torch is seeded by vLLM itself; MLX is seeded by the worker.
+        return None
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # Never load vLLM's compiled CUDA/AVX512 extensions (vllm._C, _moe_C...).
+        return None
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise NotImplementedError("LoRA is not supported by vllm-metal")
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        # vLLM's torch attention layers are never built (the model is MLX).
+        from vllm_metal.cuda_gate import reject_attention_backend
+
+        reject_attention_backend(selected_backend)
+        return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False
+
+    @classmethod
+    def use_custom_allreduce(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        return None
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        """Forces our worker and turns CUDA-only features off. Idempotent: vLLM
+        calls it in the API process and again in the engine process."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        from vllm_metal.cuda_gate import gate_config
+
+        gate_config(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = "vllm_metal.worker.MetalWorker"
+        if parallel.world_size > 1:
+            raise ValueError("vllm-metal runs one worker on one device: tensor/pipeline/data "
+                             f"parallel size must be 1 (got world size {parallel.world_size})")
+        if parallel.distributed_executor_backend in (None, "mp"):
+            parallel.distributed_executor_backend = "uni"
+        # One step at a time: the runner evaluates a step's graph and samples
+        # before the next is scheduled.
+        vllm_config.scheduler_config.async_scheduling = False
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = 16
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True

@@ -1,0 +1,90 @@
+"""Sampling through vLLM's own torch Sampler, on CPU tensors.
+
+Logits come out of the MLX graph as float32 numpy; everything after that
+(temperature, top-k/top-p/min-p, penalties, bad words, allowed ids, logit
+bias, min_tokens, seeds, logprobs, grammar bitmasks) is vLLM's code, so the
+semantics are exactly vLLM's.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.sampling_params import SamplingType
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+from vllm_metal.persistent_batch import RequestState
+
+
+def sampling_metadata(states: list[RequestState], vocab_size: int, logitsprocs) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+    greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+    # Greedy rows carry temperature 0: the sampler takes argmax where temp < eps.
+    temperature = torch.tensor([0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                               dtype=torch.float32)
+    top_p = [p.top_p for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    no_penalties = all(p.frequency_penalty == 0 and p.presence_penalty == 0
+                       and p.repetition_penalty == 1.0 for p in params)
+    prompt_ids = None
+    if not no_penalties:
+        width = max(len(s.prompt_token_ids) for s in states)
+        prompt_ids = torch.full((len(states), width), vocab_size, dtype=torch.int64)
+        for i, s in enumerate(states):
+            prompt_ids[i, :len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
+    num_logprobs = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
+    allowed = None
+    if any(p.allowed_token_ids for p in params):
+        allowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+        for i, p in enumerate(params):
+            if p.allowed_token_ids:
+                allowed[i] = True  # True = masked out
+                allowed[i, p.allowed_token_ids] = False
+    return SamplingMetadata(
+        temperature=None if all(greedy) else temperature,
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_p=None if all(p >= 1.0 for p in top_p) else torch.tensor(top_p, dtype=torch.float32),
+        top_k=None if all(k >= vocab_size for k in top_k) else torch.tensor(top_k, dtype=torch.int32),
+        generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+        max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+        no_penalties=no_penalties,
+        prompt_token_ids=prompt_ids,
+        frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+        repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+        output_token_ids=[s.output_token_ids for s in states],
+        allowed_token_ids_mask=allowed,
+        bad_words_token_ids={i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids},
+        logitsprocs=logitsprocs,
+    )
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, states: list[RequestState], discard: list[bool],
+           vocab_size: int, logitsprocs):
+    """Samples one token per row. Rows still in chunked prefill (`discard`)
+    are sampled for shape's sake but their seeded generators are rewound, so
+    a seed gives the same tokens however the prompt was chunked."""
+    saved = {i: s.generator.get_state() for i, s in enumerate(states)
+             if discard[i] and s.generator is not None}
+    out = sampler(logits, sampling_metadata(states, vocab_size, logitsprocs))
+    for i, state in saved.items():
+        states[i].generator.set_state(state)
+    return out
+
+
+def prompt_logprobs_chunk(state: RequestState, logits: torch.Tensor, start: int, vocab_size: int) -> None:
+    """Records logprobs of prompt tokens start+1 .. start+len(logits) (row i
+    of `logits` predicts token start+i+1) into state.prompt_logprobs."""
+    k = state.sampling_params.prompt_logprobs
+    k = vocab_size if k == -1 else k
+    num_prompt = len(state.prompt_token_ids)
+    if state.prompt_logprobs is None:
+        state.prompt_logprobs = LogprobsTensors.empty_cpu(num_prompt - 1, k + 1)
+    n = logits.shape[0]
+    targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + n], dtype=torch.int64)
+    ids, logprobs, ranks, *_ = Sampler.gather_logprobs(Sampler.compute_logprobs(logits), k, targets)
+    state.prompt_logprobs.logprob_token_ids[start:start + n] = ids
+    state.prompt_logprobs.logprobs[start:start + n] = logprobs
+    state.prompt_logprobs.selected_token_ranks[start:start + n] = ranks

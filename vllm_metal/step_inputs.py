@@ -1,0 +1,69 @@
+"""Turns one engine step's scheduled rows into the arrays the model needs.
+
+Pure numpy and independent of vLLM and MLX, so it is tested without a model:
+token ids and positions of every scheduled token (packed, row after row),
+the varlen offsets, each row's block table and each token's cache slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class ScheduledRow:
+    """One request's share of a step."""
+
+    token_ids: Sequence[int]  # the tokens scheduled now (positions num_computed ...)
+    num_computed: int  # tokens already in the KV cache
+    block_ids: Sequence[Sequence[int]]  # per KV-cache group
+
+
+@dataclass
+class StepInputs:
+    token_ids: np.ndarray  # int32 [num_tokens]
+    positions: np.ndarray  # int32 [num_tokens]
+    seq_lens: np.ndarray  # int32 [num_seqs], context after this step
+    cu_seqlens_q: np.ndarray  # int32 [num_seqs + 1]
+    block_tables: list[np.ndarray]  # per group: int32 [num_seqs, max_blocks]
+    slot_mappings: list[np.ndarray]  # per group: int64 [num_tokens]
+
+    @property
+    def last_token_indices(self) -> np.ndarray:
+        """Index in the packed tokens of each row's last scheduled token."""
+        return self.cu_seqlens_q[1:] - 1
+
+
+def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int]) -> StepInputs:
+    if not rows:
+        raise ValueError("a step needs at least one scheduled row")
+    counts = np.array([len(r.token_ids) for r in rows], np.int32)
+    if (counts <= 0).any():
+        raise ValueError(f"row {int(np.argmax(counts <= 0))} has no scheduled tokens")
+    cu = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(counts, out=cu[1:])
+    computed = np.array([r.num_computed for r in rows], np.int32)
+    seq_lens = computed + counts
+    token_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int32, count=int(cu[-1]))
+    # position of token j of row s = computed[s] + j
+    row_of_token = np.repeat(np.arange(len(rows)), counts)
+    positions = (computed[row_of_token] + np.arange(cu[-1]) - cu[row_of_token]).astype(np.int32)
+
+    block_tables, slot_mappings = [], []
+    for group, block_size in enumerate(block_sizes):
+        width = max(len(r.block_ids[group]) for r in rows)
+        table = np.zeros((len(rows), max(width, 1)), np.int32)  # pad with the null block 0
+        for s, r in enumerate(rows):
+            ids = r.block_ids[group]
+            if len(ids) * block_size < seq_lens[s]:
+                raise ValueError(f"row {s}: {len(ids)} blocks of {block_size} cannot hold "
+                                 f"{int(seq_lens[s])} tokens")
+            table[s, :len(ids)] = ids
+        blocks = table[row_of_token, positions // block_size].astype(np.int64)
+        block_tables.append(table)
+        slot_mappings.append(blocks * block_size + positions % block_size)
+    return StepInputs(token_ids=token_ids, positions=positions, seq_lens=seq_lens, cu_seqlens_q=cu,
+                      block_tables=block_tables, slot_mappings=slot_mappings)

@@ -1,0 +1,103 @@
+"""The vLLM worker: process and device lifecycle, memory, and the KV cache size.
+
+Runs inside vLLM's engine process (the "uni" executor, one worker). Model
+execution is the MetalModelRunner's job; this class picks the MLX device,
+loads the model, tells the engine how much KV cache fits, and forwards steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_metal import fast_blas
+
+fast_blas.preload()  # before anything imports mlx.core
+
+import mlx.core as mx  # noqa: E402
+
+from vllm_metal import memory  # noqa: E402
+from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
+from vllm_metal.platform import mlx_device_name  # noqa: E402
+
+logger = init_logger(__name__)
+
+
+class MetalWorker(WorkerBase):
+    def init_device(self) -> None:
+        self.device_name = mlx_device_name()
+        if self.device_name == "gpu":
+            if not mx.metal.is_available():
+                raise RuntimeError("VLLM_METAL_DEVICE=gpu but MLX has no Metal device here; "
+                                   "use VLLM_METAL_DEVICE=cpu")
+            mx.set_default_device(mx.gpu)
+        else:
+            mx.set_default_device(mx.cpu)
+        if not torch.accelerator.is_available():
+            # vLLM's shutdown empties the torch accelerator cache unless the
+            # platform is its own CPU platform; there is no accelerator here.
+            torch.accelerator.empty_cache = lambda *a, **k: None
+            torch.accelerator.synchronize = lambda *a, **k: None
+            torch.accelerator.empty_host_cache = lambda *a, **k: None
+        set_random_seed(self.model_config.seed)
+        mx.random.seed(self.model_config.seed or 0)
+        blas, note = fast_blas.status
+        logger.info("vllm-metal worker on MLX %s (%s); BLAS: %s", self.device_name, mx.default_device(),
+                    blas or note)
+        self.model_runner = MetalModelRunner(self.vllm_config, self.device_name)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("vllm-metal loads real weights only (no dummy load format)")
+        self.model_runner.load_model()
+
+    def get_model(self):
+        return self.model_runner.model
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def get_kv_cache_spec(self):
+        return self.model_runner.get_kv_cache_spec()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]  # our own layout; vLLM's torch attention backends are never used
+
+    def determine_available_memory(self) -> int:
+        import psutil
+
+        weights = self.model_runner.weights_bytes()
+        used = max(psutil.Process().memory_info().rss - weights, 0) if self.device_name == "cpu" \
+            else max(mx.get_active_memory() - weights, 0)
+        budget = memory.kv_cache_budget(
+            device=self.device_name, total=memory.device_total_memory(self.device_name),
+            utilization=self.cache_config.gpu_memory_utilization, weights=weights, other_used=used,
+            explicit=self.cache_config.kv_cache_memory_bytes)
+        logger.info("vllm-metal KV cache budget: %.2f GiB", budget / 2**30)
+        return budget
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+        memory.set_wired_limit(self.device_name, mx.get_active_memory())
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        self.model_runner.warm_up()
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self):
+        return None
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.model_runner = None
