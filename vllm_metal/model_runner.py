@@ -54,11 +54,14 @@ class MetalModelRunner:
         self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), False, is_pooling_model=False,
                                              custom_logitsprocs=self.model_config.logits_processors or ())
         self.batch = PersistentBatch(self.logitsprocs)
-        self.model: LoadedModel | None = None
+        self.mlx_model: LoadedModel | None = None
         self.kv: PagedKVCache | None = None
         self.block_sizes: list[int] = []
         self.vocab_size = self.model_config.get_vocab_size()
-        self.evaluations = 0  # graph evaluations so far (instrumentation for tests)
+        # Instrumentation (tests, logs): forward passes run and graph
+        # evaluations made; equal unless VLLM_METAL_SYNC_PER_LAYER=1.
+        self.forward_passes = 0
+        self.evaluations = 0
         self._pending: _PendingStep | None = None
 
     # ---- start-up -------------------------------------------------------
@@ -71,21 +74,21 @@ class MetalModelRunner:
         choice = (envs.get("VLLM_METAL_DEQUANTIZE") or "auto").strip().lower()
         dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
         start = time.perf_counter()
-        self.model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize)
+        self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize)
         logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs", self.model_config.model, dtype,
-                    ", MLX-quantized" if self.model.quantized else "", self.device,
+                    ", MLX-quantized" if self.mlx_model.quantized else "", self.device,
                     time.perf_counter() - start)
 
     def weights_bytes(self) -> int:
         from mlx.utils import tree_flatten
 
-        return sum(v.nbytes for _, v in tree_flatten(self.model.model.parameters()))
+        return sum(v.nbytes for _, v in tree_flatten(self.mlx_model.model.parameters()))
 
     def layer_name(self, i: int) -> str:
         return f"model.layers.{i}.self_attn"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        m = self.model
+        m = self.mlx_model
         block_size = self.vllm_config.cache_config.block_size
         dtype = MX_TO_TORCH[m.dtype]
         specs: dict[str, KVCacheSpec] = {}
@@ -96,7 +99,7 @@ class MetalModelRunner:
         return specs
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        m = self.model
+        m = self.mlx_model
         layer_group = [0] * m.num_layers
         index = {self.layer_name(i): i for i in range(m.num_layers)}
         self.block_sizes = []
@@ -130,13 +133,14 @@ class MetalModelRunner:
     def _forward(self, inputs, logit_rows: np.ndarray) -> np.ndarray:
         """The whole model over the packed step, evaluated once (or per layer)."""
         kv = self.kv
+        self.forward_passes += 1
         kv.step = StepAttentionInputs(
             positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
             cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
             block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings)
         try:
-            hidden = self.model.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
-            logits = self.model.logits(hidden[mx.array(logit_rows.astype(np.int32))])
+            hidden = self.mlx_model.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            logits = self.mlx_model.logits(hidden[mx.array(logit_rows.astype(np.int32))])
             self._evaluate(logits, kv.keys, kv.values)
         finally:
             kv.step = None

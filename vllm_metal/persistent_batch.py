@@ -52,6 +52,7 @@ class PersistentBatch:
         self.rows: list[str | None] = []
         self.logitsprocs = logitsprocs
         self._updates = BatchUpdateBuilder()
+        self.num_resumed = 0  # preempted requests that came back (instrumentation)
 
     @property
     def req_ids(self) -> list[str]:  # also what vLLM's apply_grammar_bitmask reads
@@ -92,6 +93,7 @@ class PersistentBatch:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                self.num_resumed += 1
                 state.block_ids = [list(b) for b in new_blocks]
             elif new_blocks is not None:
                 for group, ids in zip(state.block_ids, new_blocks):

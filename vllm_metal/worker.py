@@ -54,7 +54,7 @@ class MetalWorker(WorkerBase):
         self.model_runner.load_model()
 
     def get_model(self):
-        return self.model_runner.model
+        return self.model_runner.mlx_model
 
     def get_supported_tasks(self):
         return ("generate",)

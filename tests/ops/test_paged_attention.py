@@ -14,7 +14,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TOLERANCE, to_mx, to_np
+from array_helpers import TOLERANCE, to_mx, to_np
 from numpy_reference import batch_lengths, make_batch, paged_attention_f64
 
 from vllm_metal import ops

@@ -1,0 +1,107 @@
+"""The same request gives the same greedy tokens however the engine runs it:
+alone, in a batch of 8 mixed-length requests, after a prefix-cache hit, with
+its prompt split into chunks, and after being preempted and resumed; and the
+per-layer-eval ablation gives the same tokens as the one-graph default, which
+evaluates exactly once per engine step."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from engine_helpers import GOLDEN, engine, greedy, runner_of
+
+from vllm_metal import ops
+
+TARGET = GOLDEN[-1]  # the longest prompt (571 tokens)
+OTHERS = [g["prompt_ids"] for g in GOLDEN[:7]]
+
+
+@pytest.fixture(scope="module")
+def default_llm(model_dir):
+    with engine(model_dir, enable_prefix_caching=True) as llm:
+        yield llm
+
+
+def test_alone(default_llm):
+    tokens, _ = greedy(default_llm, [TARGET["prompt_ids"]])
+    assert tokens[0] == TARGET["greedy_ids"]
+
+
+def test_in_a_mixed_batch_of_8(default_llm):
+    tokens, _ = greedy(default_llm, OTHERS + [TARGET["prompt_ids"]])
+    assert tokens[-1] == TARGET["greedy_ids"]
+    assert tokens[:7] == [g["greedy_ids"] for g in GOLDEN[:7]]
+
+
+def test_prefix_cache_hit(default_llm):
+    greedy(default_llm, [TARGET["prompt_ids"]])  # fills the cache
+    tokens, outs = greedy(default_llm, [TARGET["prompt_ids"]])
+    assert outs[0].num_cached_tokens >= 512, "the second run should reuse cached blocks"
+    assert tokens[0] == TARGET["greedy_ids"]
+
+
+def test_chunked_prefill(model_dir):
+    with engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4) as llm:
+        before = runner_of(llm).forward_passes
+        tokens, _ = greedy(llm, [TARGET["prompt_ids"], OTHERS[0]])
+        passes = runner_of(llm).forward_passes - before
+    assert passes >= 571 // 64 + 31, "the 571-token prompt must have been prefilled in chunks"
+    assert tokens[0] == TARGET["greedy_ids"]
+    assert tokens[1] == GOLDEN[0]["greedy_ids"]
+
+
+def test_preemption_and_resume(model_dir):
+    # Room for ~2.5 full requests (48 blocks of 16 tokens) while 8 run at once:
+    # the scheduler must preempt and later resume some of them.
+    prompts = [TARGET["prompt_ids"][:200 + 20 * i] for i in range(8)]  # 200..340 tokens
+    with engine(model_dir) as llm:
+        expected, _ = greedy(llm, prompts, max_tokens=48)
+    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
+    with engine(model_dir, kv_cache_memory_bytes=48 * bytes_per_block, max_num_seqs=8,
+                max_model_len=512) as llm:
+        tokens, _ = greedy(llm, prompts, max_tokens=48)
+        resumed = runner_of(llm).batch.num_resumed
+    assert resumed > 0, "the tiny cache should have forced preemptions"
+    assert tokens == expected
+
+
+def test_sync_per_layer_ablation_gives_same_tokens(model_dir, monkeypatch):
+    prompts = [TARGET["prompt_ids"], OTHERS[1], OTHERS[4]]
+    with engine(model_dir) as llm:
+        runner = runner_of(llm)
+        lazy_tokens, _ = greedy(llm, prompts)
+        assert runner.evaluations == runner.forward_passes  # one evaluation per step
+    monkeypatch.setenv("VLLM_METAL_SYNC_PER_LAYER", "1")
+    with engine(model_dir) as llm:
+        runner = runner_of(llm)
+        eager_tokens, _ = greedy(llm, prompts)
+        assert runner.evaluations == runner.forward_passes * (30 + 1)
+    assert eager_tokens == lazy_tokens == [TARGET["greedy_ids"], GOLDEN[1]["greedy_ids"], GOLDEN[4]["greedy_ids"]]
+
+
+def test_default_step_is_one_lazy_graph(model_dir, monkeypatch):
+    """Instrumented: when the forward graph is fully built, no layer's cache
+    write has run yet, and the step then makes exactly one mx.eval call."""
+    with engine(model_dir) as llm:
+        runner = runner_of(llm)
+        model = runner.mlx_model
+        pending_when_built, eval_calls = [], []
+        real_hidden, real_eval = model.hidden_states, mx.eval
+
+        def hidden_states(*args, **kwargs):
+            out = real_hidden(*args, **kwargs)
+            pending_when_built.append(sum(not ops._ext.is_materialized(k) for k in runner.kv.keys))
+            return out
+
+        def counting_eval(*args):
+            eval_calls.append(len(args))
+            return real_eval(*args)
+
+        monkeypatch.setattr(model, "hidden_states", hidden_states)
+        monkeypatch.setattr(mx, "eval", counting_eval)
+        before = runner.forward_passes
+        greedy(llm, [TARGET["prompt_ids"], OTHERS[2]], max_tokens=8)
+        steps = runner.forward_passes - before
+    assert steps >= 8
+    assert pending_when_built == [30] * steps  # all 30 layers' writes still lazy
+    assert len(eval_calls) == steps
