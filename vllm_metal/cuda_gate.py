@@ -1,16 +1,175 @@
-"""Keeps vLLM off its CUDA-only paths on this platform.
+"""vLLM's CUDA-only paths, as one table, and the gate that keeps vLLM off them.
 
-Placeholder gate for the plugin issue; the capability-report issue extends it
-into the full table of CUDA paths.
+Each row names a CUDA-only feature, why it is inert on this platform, what
+vllm-metal does instead, how a user can ask for it (config fields, CLI flags,
+environment variables) and what happens when they do: "warn" where dropping
+it cannot change results (a one-line warning, then it is turned off) or
+"error" where it would (a clear error naming the option and the
+alternative). Adding a path is one row.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
 
-def gate_config(vllm_config) -> None:
-    if vllm_config.speculative_config is not None:
-        raise ValueError("speculative decoding is not supported by vllm-metal")
+# Under vLLM's "vllm" logger (its handlers), without importing vLLM: the
+# doctor uses this table on machines without vLLM too.
+logger = logging.getLogger("vllm.vllm_metal.cuda_gate")
+
+
+def _cudagraphs(cfg) -> str | None:
+    cc = cfg.compilation_config
+    mode = getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode)
+    if mode not in (None, "NONE"):
+        return f"--compilation-config cudagraph_mode={mode}"
+    if cc.cudagraph_capture_sizes:
+        return "--compilation-config cudagraph_capture_sizes"
+    if getattr(cc, "max_cudagraph_capture_size", None):
+        return "--compilation-config max_cudagraph_capture_size"
+    return None
+
+
+def _torch_compile(cfg) -> str | None:
+    mode = getattr(cfg.compilation_config.mode, "name", cfg.compilation_config.mode)
+    return f"--compilation-config mode={mode}" if mode not in (None, "NONE") else None
+
+
+def _attention_backend(cfg) -> str | None:
+    backend = getattr(getattr(cfg, "attention_config", None), "backend", None)
+    return f"--attention-backend {getattr(backend, 'name', backend)}" if backend is not None else None
+
+
+def _quantization(cfg) -> str | None:
+    q = cfg.model_config.quantization if cfg.model_config is not None else None
+    return f"--quantization {q} (or the checkpoint's quantization_config)" if q else None
+
+
+def _kv_cache_dtype(cfg) -> str | None:
+    dtype = cfg.cache_config.cache_dtype
+    return f"--kv-cache-dtype {dtype}" if dtype not in (None, "auto") else None
+
+
+def _speculative(cfg) -> str | None:
+    return "--speculative-config" if cfg.speculative_config is not None else None
+
+
+def _expert_parallel(cfg) -> str | None:
+    p = cfg.parallel_config
+    for flag, on in (("--enable-expert-parallel", p.enable_expert_parallel), ("--enable-eplb", p.enable_eplb),
+                     ("--enable-dbo", getattr(p, "enable_dbo", False))):
+        if on:
+            return flag
+    return None
+
+
+@dataclass(frozen=True)
+class CudaPath:
+    key: str
+    name: str
+    reason: str
+    instead: str
+    on_request: str  # "warn" (inert, dropped) or "error"
+    requested: Callable | None = None  # vllm_config -> the option that asked for it, or None
+    env_vars: tuple[str, ...] = field(default=())
+    env_prefixes: tuple[str, ...] = field(default=())
+
+
+CUDA_PATHS: tuple[CudaPath, ...] = (
+    CudaPath("cuda_graphs", "CUDA graphs", "CUDA graph capture/replay needs a CUDA device",
+             "the whole step is one lazy MLX graph, evaluated once", "warn", _cudagraphs,
+             ("VLLM_USE_BREAKABLE_CUDAGRAPH", "VLLM_ENABLE_CUDAGRAPH_GC", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS")),
+    CudaPath("torch_compile", "torch.compile / Inductor", "the model is MLX, not a torch module",
+             "MLX evaluates the step graph; nothing to compile", "warn", _torch_compile,
+             ("VLLM_USE_AOT_COMPILE", "VLLM_USE_STANDALONE_COMPILE", "VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE",
+              "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING", "VLLM_DISABLE_COMPILE_CACHE")),
+    CudaPath("custom_all_reduce", "custom all-reduce / NCCL", "one MLX device, no collectives",
+             "a single worker; tensor/pipeline parallel sizes above 1 are rejected", "warn", None,
+             ("VLLM_NCCL_SO_PATH", "VLLM_NCCL_INCLUDE_PATH", "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_USE_NCCL_SYMM_MEM",
+              "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC", "VLLM_SKIP_P2P_CHECK",
+              "VLLM_DISABLE_PYNCCL", "VLLM_FLASHINFER_ALLREDUCE_BACKEND")),
+    CudaPath("attention_backends", "FlashAttention / FlashInfer / Triton attention backends",
+             "their kernels are CUDA/Triton", "vllm-metal's paged-attention primitive (Metal kernel, C++ on CPU)",
+             "warn", _attention_backend, ("VLLM_ATTENTION_BACKEND", "VLLM_TRITON_USE_TD",
+                                          "VLLM_TRITON_FORCE_FIRST_CONFIG", "VLLM_HAS_FLASHINFER_CUBIN"),
+             ("VLLM_FLASHINFER_",)),
+    CudaPath("quantized_kernels", "FP8 / NVFP4 / MXFP4 / Marlin / GPTQ / AWQ CUDA kernels",
+             "these weight formats run only in CUDA kernels",
+             "serve MLX-quantized (4/8-bit, e.g. `mlx_lm.convert -q`) or float16/bfloat16/float32 weights",
+             "error", _quantization,
+             ("VLLM_USE_TRITON_AWQ", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
+              "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_MOE_INT4"),
+             ("VLLM_MARLIN_", "VLLM_MXFP4_", "VLLM_MXFP8_")),
+    CudaPath("fp8_kv_cache", "FP8 KV cache", "FP8 cache kernels are CUDA-only",
+             "the KV cache is stored in the model dtype (drop --kv-cache-dtype)", "error", _kv_cache_dtype),
+    CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
+             "shared prefixes are reused through prefix caching", "warn"),  # its flag is ignored by vLLM 0.32
+    CudaPath("speculative_decoding", "speculative decoding (EAGLE/Medusa/MTP/n-gram kernels)",
+             "its draft and rejection kernels target CUDA",
+             "plain decoding; remove --speculative-config", "error", _speculative),
+    CudaPath("flashinfer_sampler", "FlashInfer top-k/top-p sampler", "a CUDA kernel",
+             "vLLM's torch sampler on CPU tensors", "warn", None, ("VLLM_USE_FLASHINFER_SAMPLER",)),
+    CudaPath("expert_parallel", "expert parallel / DeepEP / EPLB / dual-batch overlap",
+             "multi-GPU all-to-all kernels", "one device holds every expert", "warn", _expert_parallel,
+             (), ("VLLM_DEEPEP_",)),
+    CudaPath("rocm_aiter", "ROCm AITER kernels", "AMD-GPU only", "MLX kernels", "warn", None, (), ("VLLM_ROCM_",)),
+    CudaPath("cuda_runtime", "CUDA runtime / compatibility libraries", "no CUDA runtime is loaded",
+             "MLX (Metal or CPU)", "warn", None,
+             ("VLLM_CUDART_SO_PATH", "VLLM_ENABLE_CUDA_COMPATIBILITY", "VLLM_CUDA_COMPATIBILITY_PATH")),
+)
+
+
+def requested_options(path: CudaPath, vllm_config=None, environ=None) -> list[str]:
+    """The options (config fields or env vars) that ask for `path`."""
+    environ = os.environ if environ is None else environ
+    found = []
+    if path.requested is not None and vllm_config is not None:
+        option = path.requested(vllm_config)
+        if option:
+            found.append(option)
+    found += [f"{n}={environ[n]}" for n in path.env_vars if n in environ]
+    found += [f"{n}={environ[n]}" for n in sorted(environ) for p in path.env_prefixes if n.startswith(p)]
+    return found
+
+
+class CudaOnlyOptionError(ValueError):
+    pass
+
+
+def gate_config(vllm_config, environ=None) -> list[str]:
+    """Errors on CUDA-only requests that would change results; warns (one line
+    each) about inert ones. Run on the user's config before vLLM fills in
+    defaults. Environment variables alone only tune CUDA kernels that never
+    run here, so they always just warn. Returns the warnings."""
+    warnings = []
+    for path in CUDA_PATHS:
+        options = requested_options(path, vllm_config, environ)
+        if not options:
+            continue
+        from_config = path.requested is not None and path.requested(vllm_config)
+        if path.on_request == "error" and from_config:
+            raise CudaOnlyOptionError(
+                f"{from_config} asks for {path.name}, which is CUDA-only and cannot run on "
+                f"vllm-metal ({path.reason}). Instead: {path.instead}.")
+        message = f"{', '.join(options)}: {path.name} is inert on vllm-metal ({path.reason}); {path.instead}."
+        logger.warning(message)
+        warnings.append(message)
+    return warnings
+
+
+def reject_quantization(method: str) -> None:
+    """vLLM's own quantization methods all need CUDA kernels (checked by vLLM
+    before the rest of the config, so the gate's error must come from here)."""
+    path = next(p for p in CUDA_PATHS if p.key == "quantized_kernels")
+    raise CudaOnlyOptionError(
+        f"--quantization {method} (or the checkpoint's quantization_config) asks for {path.name}, which "
+        f"is CUDA-only and cannot run on vllm-metal ({path.reason}). Instead: {path.instead}.")
 
 
 def reject_attention_backend(selected_backend) -> None:
-    return None
+    """vLLM asked for a torch attention backend: never on this platform."""
+    if selected_backend is not None:
+        logger.warning("attention backend %s is inert on vllm-metal; using the paged-attention primitive",
+                       getattr(selected_backend, "name", selected_backend))

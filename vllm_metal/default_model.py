@@ -37,7 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
+from vllm_metal import fast_blas
+
+fast_blas.preload()  # before the first `import mlx.core`
+
+import mlx.core as mx  # noqa: E402
 import numpy as np
 
 CONVERTER_VERSION = 1
@@ -312,8 +316,11 @@ def perplexity(model_dir: str, text: str) -> float:
     """Per-token perplexity of ``text`` under the model in ``model_dir``."""
     import mlx.nn as nn
     from mlx_lm import load
+    from mlx_lm.utils import dequantize_model
 
     model, tokenizer = load(model_dir)
+    if mx.default_device() == mx.cpu:  # MLX's CPU quantized matmul is slow; BLAS is not
+        model = dequantize_model(model)
     ids = mx.array(tokenizer.encode(text))[None]
     logits = model(ids[:, :-1]).astype(mx.float32)
     loss = nn.losses.cross_entropy(logits, ids[:, 1:], reduction="mean")
@@ -326,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument("--check", action="store_true",
                         help=f"print perplexity on a sample paragraph; fail if > {PERPLEXITY_LIMIT}")
+    parser.add_argument("--print-path", action="store_true",
+                        help="print only the model directory (for scripts)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     path = ensure_default_model(args.out, force=args.force)
+    if args.print_path:
+        print(path)
+        return 0
     print(f"model dir: {path} ({time.perf_counter() - start:.1f}s)")
     if args.check:
         ppl = perplexity(path, SAMPLE_TEXT)

@@ -107,6 +107,12 @@ class MetalPlatform(Platform):
         return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        from vllm_metal.cuda_gate import reject_quantization
+
+        reject_quantization(quant)
+
+    @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         return False
 
@@ -123,14 +129,19 @@ class MetalPlatform(Platform):
         return None
 
     @classmethod
+    def apply_config_platform_defaults(cls, vllm_config) -> None:
+        """Sees the user's config before vLLM fills in its defaults: the place
+        to notice explicit requests for CUDA-only paths (see cuda_gate)."""
+        from vllm_metal.cuda_gate import gate_config
+
+        gate_config(vllm_config)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         """Forces our worker and turns CUDA-only features off. Idempotent: vLLM
         calls it in the API process and again in the engine process."""
         from vllm.config import CompilationMode, CUDAGraphMode
 
-        from vllm_metal.cuda_gate import gate_config
-
-        gate_config(vllm_config)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"

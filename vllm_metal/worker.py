@@ -19,6 +19,7 @@ fast_blas.preload()  # before anything imports mlx.core
 import mlx.core as mx  # noqa: E402
 
 from vllm_metal import memory  # noqa: E402
+from vllm_metal.capabilities import short_report  # noqa: E402
 from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
 from vllm_metal.platform import mlx_device_name  # noqa: E402
 
@@ -43,9 +44,7 @@ class MetalWorker(WorkerBase):
             torch.accelerator.empty_host_cache = lambda *a, **k: None
         set_random_seed(self.model_config.seed)
         mx.random.seed(self.model_config.seed or 0)
-        blas, note = fast_blas.status
-        logger.info("vllm-metal worker on MLX %s (%s); BLAS: %s", self.device_name, mx.default_device(),
-                    blas or note)
+        logger.info("vllm-metal: %s", short_report(self.device_name))
         self.model_runner = MetalModelRunner(self.vllm_config, self.device_name)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

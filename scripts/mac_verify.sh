@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Verification on a Mac (Apple Silicon), in one command: builds vllm-metal with
+# Metal, runs the Metal kernel tests and the whole test suite on the GPU,
+# times the paged-attention kernels, runs the sonnet benchmark if the repo has
+# one, and prints one report to paste into an issue.
+#
+#   scripts/mac_verify.sh            # from the repo root, inside the venv to use
+#
+# Environment: PYTHON (default: python3 on PATH). Steps keep going after a
+# failure; the exit status is non-zero if any step failed. Logs stay in the
+# directory printed at the end.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/vllm-metal-verify.XXXXXX")
+REPORT="$LOGS/report.md"
+FAILED=0
+cd "$ROOT" || exit 1
+
+say() { printf '%s\n' "$*" >>"$REPORT"; }
+
+# step NAME LOGFILE COMMAND...: runs, records PASS/FAIL and the log's tail.
+step() {
+  local name=$1 log=$LOGS/$2
+  shift 2
+  echo "== $name" >&2
+  local start=$SECONDS
+  "$@" >"$log" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  if [ $rc -eq 0 ]; then
+    say "### PASS: $name (${took}s)"
+  else
+    say "### FAIL: $name (exit $rc, ${took}s)"
+    FAILED=1
+  fi
+  say '```'
+  tail -n "${TAIL:-25}" "$log" >>"$REPORT"
+  say '```'
+}
+
+say "## vllm-metal Mac verification"
+say '```'
+{
+  echo "date:    $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit:  $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+  echo "macOS:   $(sw_vers -productVersion 2>/dev/null) ($(uname -m))"
+  echo "chip:    $(sysctl -n machdep.cpu.brand_string 2>/dev/null)"
+  echo "memory:  $(($(sysctl -n hw.memsize 2>/dev/null || echo 0) / 1073741824)) GiB"
+  echo "python:  $($PYTHON --version 2>&1) at $(command -v "$PYTHON")"
+} >>"$REPORT"
+say '```'
+
+if [ "$(uname -s)" != "Darwin" ]; then
+  say "Not a Mac: nothing here runs on Apple hardware. On Linux, run: python -m pytest tests/metal"
+  cat "$REPORT"
+  exit 1
+fi
+
+step "build (pip install --no-build-isolation -e .)" build.log \
+  "$PYTHON" -m pip install --no-build-isolation -e "$ROOT"
+
+step "native Metal kernel is the GPU attention path" path.log "$PYTHON" -c '
+import mlx.core as mx
+from vllm_metal import ops
+print("mlx", mx.__version__, "| metal available:", mx.metal.is_available())
+print("device:", mx.metal.device_info())
+print("HAS_METAL:", ops._ext.HAS_METAL)
+path = ops.attention_path(mx.gpu)
+print("gpu attention path:", path)
+assert ops._ext.HAS_METAL and path[0] == "metal", "the Metal kernel is not in use"
+'
+
+TAIL=15 step "Metal kernel tests on the GPU (tests/metal)" kernel_tests.log \
+  env VLLM_METAL_DEVICE=gpu "$PYTHON" -m pytest tests/metal -q -rs
+
+TAIL=40 step "all tests on the GPU, golden tests included (VLLM_METAL_DEVICE=gpu)" all_tests.log \
+  env VLLM_METAL_DEVICE=gpu "$PYTHON" -m pytest tests -q -rs
+
+step "paged-attention kernel timings (Metal kernel vs plain-MLX reference)" timings.log \
+  "$PYTHON" - <<'EOF'
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from vllm_metal import ops
+
+def batch(num_seqs, context, new, heads=32, kv_heads=8, head_dim=128, block=16):
+    rng = np.random.default_rng(0)
+    blocks = (context + block - 1) // block
+    num_blocks = num_seqs * blocks
+    q = mx.array(rng.standard_normal((num_seqs * new, heads, head_dim)), dtype=mx.float16)
+    k = mx.array(rng.standard_normal((num_blocks, block, kv_heads, head_dim)), dtype=mx.float16)
+    v = mx.array(rng.standard_normal((num_blocks, block, kv_heads, head_dim)), dtype=mx.float16)
+    bt = mx.array(rng.permutation(num_blocks).reshape(num_seqs, blocks).astype(np.int32))
+    sl = mx.array(np.full(num_seqs, context, np.int32))
+    cu = mx.array(np.arange(num_seqs + 1, dtype=np.int32) * new)
+    return q, k, v, bt, sl, cu
+
+def timed(fn, args, repeat=20):
+    mx.eval(fn(*args, scale=0.088, stream=mx.gpu))
+    start = time.perf_counter()
+    for _ in range(repeat):
+        mx.eval(fn(*args, scale=0.088, stream=mx.gpu))
+    return (time.perf_counter() - start) / repeat * 1e3
+
+print(f"{'batch (float16, 32 q / 8 kv heads, d=128)':46} {'metal ms':>9} {'reference ms':>13}")
+for name, shape in [("decode: 1 seq x 4096 ctx", (1, 4096, 1)),
+                    ("decode: 64 seqs x 1024 ctx", (64, 1024, 1)),
+                    ("decode: 256 seqs x 512 ctx", (256, 512, 1)),
+                    ("prefill: 1 seq x 1024 tokens", (1, 1024, 1024)),
+                    ("prefill: 4 seqs x 512 tokens", (4, 512, 512))]:
+    args = batch(*shape)
+    metal = timed(ops.paged_attention, args)
+    try:
+        ref = f"{timed(ops.paged_attention_reference, args, repeat=3):13.2f}"
+    except Exception as e:  # the reference gathers whole contexts: may not fit
+        ref = f"{type(e).__name__:>13}"
+    print(f"{name:46} {metal:9.2f} {ref}")
+EOF
+
+if [ -f benchmarks/sonnet_bench.py ]; then
+  TAIL=30 step "sonnet benchmark (benchmarks/sonnet_bench.py)" sonnet.log \
+    env VLLM_METAL_DEVICE=gpu "$PYTHON" benchmarks/sonnet_bench.py
+else
+  say "### SKIP: sonnet benchmark (benchmarks/sonnet_bench.py is not in this checkout)"
+fi
+
+say ""
+if [ $FAILED -eq 0 ]; then
+  say "**Result: all steps passed.** Full logs: $LOGS"
+else
+  say "**Result: some steps FAILED.** Full logs: $LOGS"
+fi
+cat "$REPORT"
+exit $FAILED

@@ -1,0 +1,138 @@
+"""What runs on this machine: the data behind `vllm-metal doctor`.
+
+`capabilities()` reports the host, Python, MLX, the native extension, the
+attention path `vllm serve` would take now (and why), the KV-cache budget it
+would get, and every CUDA-only path of vLLM with its status here (inert) and
+what runs instead. It never fails: problems are reported under "problems" and
+make "can_serve" false.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+from vllm_metal import __version__, activation, envs
+from vllm_metal._native import built_against_mlx, installed_mlx, mlx_mismatch_reason
+
+
+def _chip() -> str:
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.machine()
+        except OSError:
+            return platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_total() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return None
+
+
+def _host() -> dict:
+    return {
+        "os": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "chip": _chip(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": _memory_total(),
+        "unified_memory": activation.is_apple_silicon(),
+        "python": {"version": platform.python_version(), "executable": sys.executable,
+                   "arch": platform.machine()},
+    }
+
+
+def _cuda_paths() -> list[dict]:
+    from vllm_metal.cuda_gate import CUDA_PATHS, requested_options
+
+    rows = []
+    for path in CUDA_PATHS:
+        rows.append({"name": path.name, "key": path.key, "status": "inert", "reason": path.reason,
+                     "instead": path.instead, "if_requested": path.on_request,
+                     "requested_by_env": requested_options(path)})
+    return rows
+
+
+def capabilities() -> dict:
+    problems: list[str] = []
+    device = (envs.get("VLLM_METAL_DEVICE") or "").strip().lower() or (
+        "gpu" if activation.is_apple_silicon() else "cpu")
+    active, why_active = activation.activation_reason()
+    report: dict = {"vllm_metal": __version__, "host": _host(),
+                    "plugin": {"active": active, "reason": why_active}}
+    if sys.platform == "darwin" and platform.machine() != "arm64":
+        problems.append("Python is not native arm64 (Rosetta?): MLX's Metal backend needs a native "
+                        "arm64 Python")
+
+    built, runtime = built_against_mlx(), installed_mlx()
+    mismatch = mlx_mismatch_reason(built, runtime)
+    report["extension"] = {"built_against_mlx": built, "metal_kernels": None, "loaded": False}
+    report["mlx"] = {"version": runtime, "device": device}
+    if mismatch:
+        problems.append(mismatch)
+        report["attention_path"] = {"name": None, "reason": "the native extension cannot load: " + mismatch}
+    else:
+        from vllm_metal import fast_blas
+
+        fast_blas.preload()
+        from vllm_metal import ops  # loads the extension
+
+        import mlx.core as mx
+
+        metal = bool(mx.metal.is_available())
+        report["mlx"].update(default_device=str(mx.default_device()), metal_available=metal,
+                             blas=fast_blas.status[0] or fast_blas.status[1])
+        report["extension"].update(metal_kernels=bool(ops._ext.HAS_METAL), loaded=True)
+        if device == "gpu" and not metal:
+            problems.append("VLLM_METAL_DEVICE=gpu but MLX has no Metal device here")
+        name, reason = ops.attention_path(mx.gpu if device == "gpu" and metal else mx.cpu)
+        report["attention_path"] = {"name": name, "reason": reason}
+        report["kv_cache"] = _kv_budget(device)
+    if not active:
+        problems.append(f"vLLM would not select this plugin: {why_active}")
+    report["cuda_paths"] = _cuda_paths()
+    report["problems"] = problems
+    report["can_serve"] = not problems
+    return report
+
+
+def _kv_budget(device: str) -> dict:
+    from vllm_metal import memory
+
+    total = memory.device_total_memory(device)
+    utilization = 0.92  # vLLM's default --gpu-memory-utilization
+    budget = memory.kv_cache_budget(device=device, total=total, utilization=utilization, weights=0,
+                                    other_used=0, explicit=None)
+    return {"device_memory_bytes": total, "gpu_memory_utilization": utilization,
+            "budget_bytes_before_weights": budget,
+            "note": "vllm serve subtracts the model's weights; --kv-cache-memory-bytes sets it exactly"}
+
+
+def short_report(device: str) -> str:
+    """The one line the worker logs at engine start."""
+    from vllm_metal import fast_blas, ops
+    from vllm_metal.cuda_gate import CUDA_PATHS
+
+    import mlx.core as mx
+
+    name, reason = ops.attention_path(mx.gpu if device == "gpu" else mx.cpu)
+    blas = fast_blas.status[0] or fast_blas.status[1]
+    return (f"MLX {installed_mlx()} on {device}; attention: {name} ({reason}); "
+            f"Metal kernels {'compiled' if ops._ext.HAS_METAL else 'not compiled'}; "
+            f"BLAS: {blas}; {len(CUDA_PATHS)} CUDA-only paths inert "
+            "(`vllm-metal doctor` lists them)")

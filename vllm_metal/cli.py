@@ -1,0 +1,66 @@
+"""The `vllm-metal` command (also `python -m vllm_metal`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.1f} GiB" if n else "?"
+
+
+def format_report(r: dict) -> str:
+    h, m, e, a = r["host"], r["mlx"], r["extension"], r["attention_path"]
+    lines = [
+        f"vllm-metal {r['vllm_metal']}",
+        f"host        {h['chip']} ({h['machine']}), {h['os']}, {h['cpu_count']} cores, "
+        f"{_gib(h['memory_bytes'])} {'unified' if h['unified_memory'] else 'system'} memory",
+        f"python      {h['python']['version']} ({h['python']['arch']}) {h['python']['executable']}",
+        f"mlx         {m['version']}; plugin device: {m['device']}"
+        + (f"; default device {m['default_device']}; Metal {'available' if m['metal_available'] else 'absent'}"
+           if "default_device" in m else ""),
+    ]
+    if "blas" in m:
+        lines.append(f"blas        {m['blas']}")
+    lines.append(f"extension   built against MLX {e['built_against_mlx']}; "
+                 f"Metal kernels {'compiled' if e['metal_kernels'] else 'not compiled'}"
+                 + ("" if e["loaded"] else " (not loadable)"))
+    lines.append(f"attention   {a['name']}: {a['reason']}")
+    if "kv_cache" in r:
+        kv = r["kv_cache"]
+        lines.append(f"kv cache    {_gib(kv['budget_bytes_before_weights'])} at --gpu-memory-utilization "
+                     f"{kv['gpu_memory_utilization']} of {_gib(kv['device_memory_bytes'])}, before weights")
+    lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
+    lines.append("cuda paths  (inert here; what runs instead)")
+    for p in r["cuda_paths"]:
+        env = f"  [set: {', '.join(p['requested_by_env'])}]" if p["requested_by_env"] else ""
+        lines.append(f"  - {p['name']}: {p['status']} -> {p['instead']}{env}")
+    if r["problems"]:
+        lines.append("problems")
+        lines += [f"  ! {p}" for p in r["problems"]]
+    lines.append("verdict     " + ("ready to serve" if r["can_serve"] else "cannot serve (see problems)"))
+    return "\n".join(lines)
+
+
+def doctor(args) -> int:
+    from vllm_metal.capabilities import capabilities
+
+    report = capabilities()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["can_serve"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-metal", description="vllm-metal tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="report what runs on this machine and what is inert")
+    d.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    d.set_defaults(func=doctor)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
