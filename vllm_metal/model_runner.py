@@ -30,7 +30,7 @@ from vllm_metal.persistent_batch import PersistentBatch
 from vllm_metal.sampling import prompt_logprobs_chunk, sample
 from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16: torch.bfloat16}

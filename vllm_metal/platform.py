@@ -15,7 +15,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_metal import activation, envs
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
 
 def mlx_device_name() -> str:

@@ -23,7 +23,7 @@ from vllm_metal.capabilities import short_report  # noqa: E402
 from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
 from vllm_metal.platform import mlx_device_name  # noqa: E402
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
 
 class MetalWorker(WorkerBase):
