@@ -4,15 +4,15 @@
 # times the paged-attention kernels, runs the sonnet benchmark if the repo has
 # one, and prints one report to paste into an issue.
 #
-#   scripts/mac_verify.sh            # from the repo root, inside the venv to use
+#   scripts/mac_verify.sh
 #
-# Environment: PYTHON (default: python3 on PATH). Steps keep going after a
-# failure; the exit status is non-zero if any step failed. Logs stay in the
-# directory printed at the end.
+# Sets up .venv with scripts/setup.sh (fast when already done) and uses it.
+# Steps keep going after a failure; the exit status is non-zero if any step
+# failed. Logs stay in the directory printed at the end.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PYTHON=${PYTHON:-python3}
+PYTHON="$ROOT/.venv/bin/python"
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/vllm-metal-verify.XXXXXX")
 REPORT="$LOGS/report.md"
 FAILED=0
@@ -48,7 +48,7 @@ say '```'
   echo "macOS:   $(sw_vers -productVersion 2>/dev/null) ($(uname -m))"
   echo "chip:    $(sysctl -n machdep.cpu.brand_string 2>/dev/null)"
   echo "memory:  $(($(sysctl -n hw.memsize 2>/dev/null || echo 0) / 1073741824)) GiB"
-  echo "python:  $($PYTHON --version 2>&1) at $(command -v "$PYTHON")"
+  echo "python:  $(python3 --version 2>&1) ($(python3 -c 'import platform; print(platform.machine())' 2>&1))"
 } >>"$REPORT"
 say '```'
 
@@ -58,8 +58,7 @@ if [ "$(uname -s)" != "Darwin" ]; then
   exit 1
 fi
 
-step "build (pip install --no-build-isolation -e .)" build.log \
-  "$PYTHON" -m pip install --no-build-isolation -e "$ROOT"
+step "set up .venv and build with Metal (scripts/setup.sh)" setup.log bash scripts/setup.sh
 
 step "native Metal kernel is the GPU attention path" path.log "$PYTHON" -c '
 import mlx.core as mx

@@ -14,9 +14,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [[ "$(uname -s)" == "Linux" ]]; then
   # Debian's OpenBLAS replaces the mlx-cpu wheel's reference BLAS (~50x
-  # faster matmul; see docs/usage.md), and a C++ compiler for the build.
+  # faster matmul; see docs/usage.md), a C++ compiler for the build, and
+  # clang 19 + compiler-rt for the Metal checks (tests/metal: the MSL
+  # executor and the macOS compile check; see docs/metal.md).
   need=()
-  for pkg in libopenblas0-pthread g++; do
+  for pkg in libopenblas0-pthread g++ clang-19 libclang-rt-19-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then

@@ -1,0 +1,31 @@
+// The Metal library of the paged-attention primitive: every kernel,
+// instantiated for every dtype and head-dim tier, in this one list.
+//
+// The build embeds this file, with its quoted includes inlined, into the
+// extension (cmake/embed_metal_source.cmake); MLX compiles it once per process
+// at first use. The executor tests compile the very same embedded text.
+// Keep it ASCII: MLX hands the source to Metal as an ASCII string.
+#include "paged_attention_decode.h"
+#include "paged_attention_prefill.h"
+#include "paged_attention_reduce.h"
+
+#define instantiate_kernel(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+
+// Names: paged_attention_<kind>_<dtype>_d<tier>, built the same way by
+// vllm_metal::kernel_name in paged_attention_plan.h. A tier serves head dims
+// up to its size with (tier / 32) dims per lane.
+#define instantiate_tier(tname, type, tier, dpl)                                        \
+  instantiate_kernel("paged_attention_decode_" #tname "_d" #tier, paged_attention_decode, type, dpl)   \
+  instantiate_kernel("paged_attention_prefill_" #tname "_d" #tier, paged_attention_prefill, type, dpl) \
+  instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce, type, dpl)
+
+#define instantiate_dtype(tname, type) \
+  instantiate_tier(tname, type, 32, 1)  \
+  instantiate_tier(tname, type, 64, 2)  \
+  instantiate_tier(tname, type, 128, 4) \
+  instantiate_tier(tname, type, 256, 8)
+
+instantiate_dtype(float32, float)
+instantiate_dtype(float16, half)
+instantiate_dtype(bfloat16, bfloat)

@@ -1,0 +1,133 @@
+// Pieces shared by the paged-attention kernels: finding a packed query token's
+// sequence and position, block-table lookups, strided loads and the score.
+//
+// The GPU cannot raise, and the data-dependent checks of the CPU backend
+// (block ids in range, seq_lens within capacity, cu_seqlens_q monotone) would
+// need the metadata on the host before encoding. So every lookup here checks
+// what it reads and reports failure instead of reading out of bounds; the
+// kernels write NaN for every row whose metadata failed a check.
+#pragma once
+
+#include <metal_stdlib>
+
+// Before our shared headers: they name int64_t the way MLX's kernels do,
+// after this directive.
+using namespace metal;
+
+#include "paged_attention_params.h"
+#include "paged_attention_tuning.h"
+
+namespace vllm_metal {
+
+// Where packed query token `t` sits. valid == false: the batch metadata does
+// not describe t consistently, and nothing may be read on its behalf.
+struct TokenPlace {
+  int seq;
+  int pos;         // absolute position of the token in its sequence
+  int key_lo;      // first visible key: the token sees keys key_lo..pos
+  int new_tokens;  // query rows of its sequence in this batch
+  bool valid;
+};
+
+inline int read_index(const device int* a, int64_t stride, int i) {
+  return a[int64_t(i) * stride];
+}
+
+inline int visible_from(constant PagedAttentionArgs& args, int pos) {
+  return args.sliding_window > 0 ? max(0, pos - args.sliding_window + 1) : 0;
+}
+
+inline TokenPlace locate_token(
+    constant PagedAttentionArgs& args,
+    const device int* seq_lens,
+    const device int* cu_seqlens_q,
+    int t) {
+  TokenPlace place = {0, 0, 0, 0, false};
+  if (args.num_seqs <= 0) {
+    return place;
+  }
+  // The last s with cu_seqlens_q[s] <= t. Only meaningful for a monotone
+  // cu_seqlens_q, so the result is verified below rather than trusted; every
+  // index read stays within [0, num_seqs].
+  const int64_t cu_stride = args.cu_seqlens_q_stride;
+  int lo = 0;
+  int hi = args.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (read_index(cu_seqlens_q, cu_stride, mid) <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int begin = read_index(cu_seqlens_q, cu_stride, lo);
+  const int end = read_index(cu_seqlens_q, cu_stride, lo + 1);
+  const int len = read_index(seq_lens, args.seq_lens_stride, lo);
+  const int64_t capacity = int64_t(args.max_blocks_per_seq) * args.block_size;
+  if (begin < 0 || t < begin || t >= end || end > args.num_tokens) {
+    return place;
+  }
+  if (len < end - begin || int64_t(len) > capacity) {
+    return place;
+  }
+  place.seq = lo;
+  place.pos = len - (end - begin) + (t - begin);
+  place.key_lo = visible_from(args, place.pos);
+  place.new_tokens = end - begin;
+  place.valid = true;
+  return place;
+}
+
+// Which kernel owns a query row, decided per row from the metadata so that
+// one batch can mix both: rows of sequences with at least
+// kPrefillMinTokensPerSeq new tokens belong to the prefill kernel; all other
+// rows, including those with invalid metadata (written as NaN), to decode.
+// Every row is written by exactly one of them.
+inline bool is_prefill_row(TokenPlace place) {
+  return place.valid && place.new_tokens >= kPrefillMinTokensPerSeq;
+}
+
+// Cache block holding key position `key` of sequence `seq`, or -1 when the
+// block table names a block outside the cache. Callers pass only keys below
+// a validated seq_len, so the table index is within max_blocks_per_seq.
+inline int physical_block(
+    constant PagedAttentionArgs& args,
+    const device int* block_tables,
+    int seq,
+    int key) {
+  const int b = key / args.block_size;
+  const int id = block_tables
+      [int64_t(seq) * args.block_table_strides[0] +
+       int64_t(b) * args.block_table_strides[1]];
+  return (id >= 0 && id < args.num_blocks) ? id : -1;
+}
+
+// Element offset of (block, slot, kv_head, dim 0) in a cache with `strides`.
+inline int64_t cache_row(constant int64_t* strides, int block, int slot, int kv_head) {
+  return int64_t(block) * strides[0] + int64_t(slot) * strides[1] +
+      int64_t(kv_head) * strides[2];
+}
+
+template <typename T>
+inline float load_float(const device T* base, int64_t offset) {
+  return static_cast<float>(base[offset]);
+}
+
+// q.k -> the logit the softmax sees, in the CPU backend's order: scale, then
+// the optional tanh soft cap.
+inline float finish_score(constant PagedAttentionArgs& args, float dot) {
+  float x = dot * args.scale;
+  if (args.softcap > 0.0f) {
+    x = args.softcap * tanh(x / args.softcap);
+  }
+  return x;
+}
+
+// Weight of a softmax state with running max m inside a merge whose max is
+// m_all. An empty state (m = -inf) weighs 0, also when m_all is -inf
+// (exp(-inf - -inf) would be NaN).
+inline float merge_weight(float m, float m_all) {
+  return m == -INFINITY ? 0.0f : exp(m - m_all);
+}
+
+} // namespace vllm_metal

@@ -1,0 +1,131 @@
+// Host-side launch plan of the paged-attention kernels: from the static shapes
+// and strides of one call, which kernels run, on what grid, with what
+// arguments and how much partition scratch. Plain C++ without Metal or MLX, so
+// that eval_gpu and the executor tests (which run the kernels on Linux) share
+// this logic instead of each having their own copy.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "paged_attention_params.h"
+#include "paged_attention_tuning.h"
+
+namespace vllm_metal {
+
+// One dispatch_threadgroups call.
+struct KernelLaunch {
+  std::string name;
+  uint32_t grid[3];  // threadgroups per grid
+  uint32_t threads;  // threads per threadgroup (one-dimensional)
+};
+
+// Dispatched in this order: decode, reduce (if partitioned), prefill (if any
+// sequence can have kPrefillMinTokensPerSeq new tokens). Which rows each
+// kernel writes is decided on the GPU, per row (is_prefill_row in the
+// kernels), because the host does not know the batch's lengths when encoding.
+struct PagedAttentionPlan {
+  PagedAttentionArgs args;
+  KernelLaunch decode;
+  bool has_reduce;  // partitioned: decode writes partials, reduce writes rows
+  KernelLaunch reduce;
+  bool has_prefill;
+  KernelLaunch prefill;
+  // The output and the partition scratch share one allocation: out's bytes,
+  // padded to kScratchAlign, then the partials (float32). The scratch is part
+  // of the primitive's output buffer, not an encoder temporary, so it lives
+  // exactly as long as the output and needs no add_temporary.
+  size_t partials_offset;  // bytes from the start of the allocation
+  size_t total_bytes;
+};
+
+constexpr size_t kScratchAlign = 256;
+
+// Dims per lane for a head dim: the smallest of 1, 2, 4, 8 with
+// 32 * dpl >= head_dim (head_dim is 1..256, checked by the op).
+inline int dims_per_lane(int head_dim) {
+  int dpl = 1;
+  while (dpl * kSimdWidth < head_dim) {
+    dpl *= 2;
+  }
+  return dpl;
+}
+
+// dtype_name: "float32", "float16" or "bfloat16" (MLX's names).
+inline std::string kernel_name(const char* kind, const std::string& dtype_name, int head_dim) {
+  return std::string("paged_attention_") + kind + "_" + dtype_name + "_d" +
+      std::to_string(dims_per_lane(head_dim) * kSimdWidth);
+}
+
+// Test hook: a partition size to force instead of the tuned one (0: tuned).
+struct PlanOverrides {
+  int partition_size = 0;
+};
+
+// `args` arrives with shapes, strides and parameters filled in; the plan
+// completes it (group, partitions). out_bytes: size of the output array.
+inline PagedAttentionPlan plan_paged_attention(
+    PagedAttentionArgs args,
+    const std::string& dtype_name,
+    size_t out_bytes,
+    PlanOverrides overrides = {}) {
+  if (args.head_dim < 1 || args.head_dim > 8 * kSimdWidth) {
+    throw std::invalid_argument("[paged_attention] head_dim outside the Metal kernels' 1..256");
+  }
+  args.group = args.num_heads / args.num_kv_heads;
+  const int64_t rows = int64_t(args.num_tokens) * args.num_heads;
+  const int64_t capacity = int64_t(args.max_blocks_per_seq) * args.block_size;
+  const auto u32 = [](int64_t x) { return static_cast<uint32_t>(x); };
+
+  PagedAttentionPlan plan{};
+  args.num_partitions = 1;
+  args.partition_size = static_cast<int>(std::min<int64_t>(capacity, INT32_MAX));
+
+  // Split keys only when rows alone leave the GPU short of threadgroups.
+  int64_t parts = 1;
+  int64_t size = capacity;
+  if (overrides.partition_size > 0) {
+    size = overrides.partition_size;
+    parts = std::max<int64_t>(1, (capacity + size - 1) / size);
+  } else if (rows > 0 && rows < kPartitionTargetThreadgroups && capacity > kPartitionMinKeys) {
+    const int64_t wanted = (kPartitionTargetThreadgroups + rows - 1) / rows;
+    const int64_t most = (capacity + kPartitionMinKeys - 1) / kPartitionMinKeys;
+    parts = std::min(wanted, most);
+    size = (capacity + parts - 1) / parts;
+    size = (size + kSimdWidth - 1) / kSimdWidth * kSimdWidth;
+    parts = (capacity + size - 1) / size;
+  }
+  plan.decode = {kernel_name("decode", dtype_name, args.head_dim),
+                 {u32(args.num_heads), u32(args.num_tokens), u32(parts)},
+                 u32(kDecodeSimdgroups * kSimdWidth)};
+  plan.has_reduce = parts > 1;
+  if (plan.has_reduce) {
+    args.num_partitions = static_cast<int>(parts);
+    args.partition_size = static_cast<int>(size);
+    plan.reduce = {kernel_name("reduce", dtype_name, args.head_dim),
+                   {u32(args.num_heads), u32(args.num_tokens), 1},
+                   u32(kReduceSimdgroups * kSimdWidth)};
+  }
+  plan.has_prefill = args.num_tokens >= kPrefillMinTokensPerSeq;
+  if (plan.has_prefill) {
+    const int64_t tiles =
+        (int64_t(args.num_tokens) + kPrefillTokensPerTile - 1) / kPrefillTokensPerTile;
+    plan.prefill = {kernel_name("prefill", dtype_name, args.head_dim),
+                    {u32(tiles), u32(args.num_heads), 1},
+                    u32(kPrefillSimdgroups * kSimdWidth)};
+  }
+
+  plan.partials_offset = (out_bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+  const size_t partial_floats = plan.has_reduce
+      ? size_t(rows) * size_t(args.num_partitions) * size_t(args.head_dim + 2)
+      : 0;
+  plan.total_bytes = plan.has_reduce ? plan.partials_offset + partial_floats * sizeof(float)
+                                     : out_bytes;
+  plan.args = args;
+  return plan;
+}
+
+} // namespace vllm_metal

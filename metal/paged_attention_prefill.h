@@ -1,0 +1,167 @@
+// Prefill kernel: one threadgroup per tile of kPrefillTokensPerTile
+// consecutive packed tokens and one query head, for the rows of sequences
+// with many new tokens (see is_prefill_row; the decode kernel writes all other
+// rows). K and V of a tile of keys are staged once in threadgroup memory (as
+// float32) and used by every token of the tile, instead of every token
+// reading the cache on its own.
+//
+// A tile of packed tokens may straddle sequences; it is processed as its
+// segments (runs of tokens of one sequence), one after another, skipping
+// segments that belong to the decode kernel. Each simdgroup owns
+// kPrefillRowsPerSimdgroup tokens and keeps their online softmax states in
+// registers, one lane per head dimension as in decode.
+#pragma once
+
+#include "paged_attention_common.h"
+
+template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
+[[kernel]] void paged_attention_prefill(
+    constant vllm_metal::PagedAttentionArgs& args [[buffer(0)]],
+    const device T* q [[buffer(1)]],
+    const device T* k_cache [[buffer(2)]],
+    const device T* v_cache [[buffer(3)]],
+    const device int* block_tables [[buffer(4)]],
+    const device int* seq_lens [[buffer(5)]],
+    const device int* cu_seqlens_q [[buffer(6)]],
+    device T* out [[buffer(7)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using namespace vllm_metal;
+  constexpr int W = kSimdWidth;
+  constexpr int DT = DPL * W;                     // head-dim tier
+  constexpr int KT = kPrefillKvTileFloats / DT;   // keys per staged tile
+  constexpr int R = kPrefillRowsPerSimdgroup;
+  constexpr int NT = kPrefillSimdgroups * W;      // threads per threadgroup
+  static_assert(KT >= 1 && KT <= NT, "one thread looks up each tile key's block");
+  threadgroup float k_tile[KT * DT];
+  threadgroup float v_tile[KT * DT];
+  threadgroup int tile_blocks[KT];  // cache block of each tile key, -1: none
+
+  const int head = tgid.y;
+  const int D = args.head_dim;
+  const int kv_head = head / args.group;
+  const int t0 = int(tgid.x) * kPrefillTokensPerTile;
+  const int t_end = min(t0 + int(kPrefillTokensPerTile), args.num_tokens);
+  const int row0 = t0 + int(sg) * R;  // first token owned by this simdgroup
+
+  float qv[R][DPL];
+  float acc[R][DPL];
+  float m[R];
+  float l[R];
+  bool seen[R];  // the row is this kernel's: it belongs to a prefill segment
+  bool bad[R];   // the row needed a block id outside the cache
+  for (int r = 0; r < R; ++r) {
+    const int t = row0 + r;
+    const int64_t q_row = int64_t(t) * args.q_strides[0] + int64_t(head) * args.q_strides[1];
+    for (int i = 0; i < DPL; ++i) {
+      const int d = i * W + int(lane);
+      qv[r][i] = (t < t_end && d < D) ? load_float(q, q_row + d * args.q_strides[2]) : 0.0f;
+      acc[r][i] = 0.0f;
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    seen[r] = false;
+    bad[r] = false;
+  }
+
+  // Every thread walks the same segments (it reads the same metadata), so
+  // the barriers below are reached uniformly.
+  int t = t0;
+  while (t < t_end) {
+    const TokenPlace first = locate_token(args, seq_lens, cu_seqlens_q, t);
+    if (!first.valid) {
+      ++t;  // the decode kernel writes NaN for it
+      continue;
+    }
+    const int seg_end =
+        min(read_index(cu_seqlens_q, args.cu_seqlens_q_stride, first.seq + 1), t_end);
+    if (!is_prefill_row(first)) {
+      t = seg_end;  // a short sequence: the decode kernel's
+      continue;
+    }
+    // Positions grow by one per token, so the segment sees keys from its
+    // first token's window start up to its last token's position.
+    const int key_lo = first.key_lo;
+    const int key_hi = first.pos + (seg_end - t);
+
+    for (int kb = key_lo; kb < key_hi; kb += KT) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // last tile consumed
+      if (int(tid) < KT) {
+        const int key = kb + int(tid);
+        tile_blocks[tid] =
+            key < key_hi ? physical_block(args, block_tables, first.seq, key) : -1;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (int e = int(tid); e < KT * DT; e += NT) {
+        const int j = e / DT;
+        const int d = e - j * DT;
+        const int block = tile_blocks[j];
+        float kx = 0.0f;
+        float vx = 0.0f;
+        if (block >= 0 && d < D) {
+          const int key = kb + j;
+          const int slot = key - (key / args.block_size) * args.block_size;
+          kx = load_float(k_cache, cache_row(args.k_strides, block, slot, kv_head) +
+                                       d * args.k_strides[3]);
+          vx = load_float(v_cache, cache_row(args.v_strides, block, slot, kv_head) +
+                                       d * args.v_strides[3]);
+        }
+        k_tile[e] = kx;
+        v_tile[e] = vx;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      for (int r = 0; r < R; ++r) {
+        const int tr = row0 + r;
+        if (tr < t || tr >= seg_end) {  // uniform in the simdgroup
+          continue;
+        }
+        const int pos = first.pos + (tr - t);
+        const int lo = max(kb, visible_from(args, pos));
+        const int hi = min(kb + KT, pos + 1);
+        for (int key = lo; key < hi; ++key) {
+          const int j = key - kb;
+          if (tile_blocks[j] < 0) {
+            bad[r] = true;
+            continue;
+          }
+          float dot = 0.0f;
+          for (int i = 0; i < DPL; ++i) {
+            dot += qv[r][i] * k_tile[j * DT + i * W + int(lane)];
+          }
+          const float s = finish_score(args, simd_sum(dot));
+          const float m_new = max(m[r], s);
+          const float alpha = exp(m[r] - m_new);
+          const float w = exp(s - m_new);
+          l[r] = l[r] * alpha + w;
+          for (int i = 0; i < DPL; ++i) {
+            acc[r][i] = acc[r][i] * alpha + w * v_tile[j * DT + i * W + int(lane)];
+          }
+          m[r] = m_new;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int tr = row0 + r;
+      seen[r] = seen[r] || (tr >= t && tr < seg_end);
+    }
+    t = seg_end;
+  }
+
+  for (int r = 0; r < R; ++r) {
+    const int tr = row0 + r;
+    if (tr >= t_end || !seen[r]) {
+      continue;
+    }
+    const bool nan_row = bad[r] || !(l[r] > 0.0f);
+    const int64_t o_row = (int64_t(tr) * args.num_heads + head) * D;
+    for (int i = 0; i < DPL; ++i) {
+      const int d = i * W + int(lane);
+      if (d < D) {
+        out[o_row + d] = static_cast<T>(nan_row ? NAN : acc[r][i] / l[r]);
+      }
+    }
+  }
+}

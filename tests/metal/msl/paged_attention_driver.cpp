@@ -1,0 +1,114 @@
+// The executor's stand-in for PagedAttention::eval_gpu: the same launch plan
+// (metal/paged_attention_plan.h), buffer slots, single output allocation and
+// dispatch order, with MLX's command encoder replaced by
+// msl_rt::dispatch_threadgroups. Called from Python through ctypes.
+//
+// Inputs and the output allocation live in guarded buffers, so a kernel
+// reading outside them faults, and the output allocation starts as NaN bytes,
+// so an output element no kernel writes cannot go unnoticed.
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "msl_runtime.h"
+#include "paged_attention_plan.h"
+
+using namespace vllm_metal;
+
+namespace {
+
+enum Dim { kTokens, kHeads, kHeadDim, kBlocks, kBlockSize, kKvHeads, kSeqs, kMaxBlocks, kDims };
+enum Input { kQ, kK, kV, kBlockTables, kSeqLens, kCuSeqlensQ, kInputs };
+
+} // namespace
+
+// dims: see Dim. strides: q[3], k[4], v[4], block_tables[2], seq_lens,
+// cu_seqlens_q (elements). Input i is the view at element offsets[i] of the
+// base buffer bases[i] (base_bytes[i] bytes). info receives {1 if the prefill
+// kernel is dispatched (after decode), decode partitions}. kernels: bit 0
+// runs decode (and reduce), bit 1 prefill; eval_gpu runs both (3), tests run
+// one to see which rows each writes. Returns 0, or 1 with a message.
+extern "C" int vm_paged_attention(
+    const char* dtype_name, int itemsize, const int64_t* dims, const int64_t* strides,
+    void* const* bases, const uint64_t* base_bytes, const int64_t* offsets, float scale,
+    int sliding_window, float softcap, int partition_size, int at_start, uint64_t seed,
+    int workers, int kernels, void* out, int64_t* info, char* error, uint64_t error_bytes) {
+  try {
+    PagedAttentionArgs args{};
+    for (int i = 0; i < 3; ++i) args.q_strides[i] = strides[i];
+    for (int i = 0; i < 4; ++i) args.k_strides[i] = strides[3 + i];
+    for (int i = 0; i < 4; ++i) args.v_strides[i] = strides[7 + i];
+    for (int i = 0; i < 2; ++i) args.block_table_strides[i] = strides[11 + i];
+    args.seq_lens_stride = strides[13];
+    args.cu_seqlens_q_stride = strides[14];
+    args.num_tokens = int(dims[kTokens]);
+    args.num_heads = int(dims[kHeads]);
+    args.head_dim = int(dims[kHeadDim]);
+    args.num_blocks = int(dims[kBlocks]);
+    args.block_size = int(dims[kBlockSize]);
+    args.num_kv_heads = int(dims[kKvHeads]);
+    args.num_seqs = int(dims[kSeqs]);
+    args.max_blocks_per_seq = int(dims[kMaxBlocks]);
+    args.scale = scale;
+    args.sliding_window = sliding_window;
+    args.softcap = softcap;
+
+    const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.head_dim * itemsize;
+    PlanOverrides overrides;
+    overrides.partition_size = partition_size;
+    const PagedAttentionPlan plan = plan_paged_attention(args, dtype_name, out_bytes, overrides);
+    info[0] = plan.has_prefill ? 1 : 0;
+    info[1] = plan.args.num_partitions;
+    if (out_bytes == 0) {
+      return 0;  // eval_gpu allocates and returns without a dispatch
+    }
+
+    std::vector<std::unique_ptr<msl_rt::GuardedBuffer>> inputs;
+    void* buffers[9] = {};
+    const int slots[kInputs] = {kQBuffer, kKeyCacheBuffer, kValueCacheBuffer,
+                                kBlockTablesBuffer, kSeqLensBuffer, kCuSeqlensQBuffer};
+    for (int i = 0; i < kInputs; ++i) {
+      inputs.push_back(std::make_unique<msl_rt::GuardedBuffer>(base_bytes[i], at_start != 0));
+      std::memcpy(inputs.back()->data(), bases[i], base_bytes[i]);
+      const int elem = i <= kV ? itemsize : int(sizeof(int32_t));
+      buffers[slots[i]] = inputs.back()->data() + offsets[i] * elem;
+    }
+    msl_rt::GuardedBuffer args_buffer(sizeof(PagedAttentionArgs), at_start != 0);
+    std::memcpy(args_buffer.data(), &plan.args, sizeof(PagedAttentionArgs));
+    buffers[kArgsBuffer] = args_buffer.data();
+
+    msl_rt::GuardedBuffer allocation(plan.total_bytes, at_start != 0);
+    std::memset(allocation.data(), 0xFF, plan.total_bytes);
+    buffers[kOutBuffer] = allocation.data();
+    buffers[kPartialsBuffer] =
+        allocation.data() + (plan.has_reduce ? plan.partials_offset : 0);
+
+    const msl_rt::LaunchOptions options{seed, workers};
+    const auto launch = [&](const KernelLaunch& k) {
+      msl_rt::dispatch_threadgroups(k.name, buffers, {k.grid[0], k.grid[1], k.grid[2]},
+                                    {k.threads, 1, 1}, options);
+    };
+    if (kernels & 1) {
+      launch(plan.decode);
+      if (plan.has_reduce) {
+        launch(plan.reduce);
+      }
+    }
+    if ((kernels & 2) && plan.has_prefill) {
+      launch(plan.prefill);
+    }
+    std::memcpy(out, allocation.data(), out_bytes);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_bytes, "%s", e.what());
+    return 1;
+  }
+}
+
+// The kernel name eval_gpu asks MLX for (kind: decode, prefill or reduce).
+extern "C" void vm_kernel_name(const char* kind, const char* dtype_name, int head_dim, char* out,
+                               uint64_t out_bytes) {
+  std::snprintf(out, out_bytes, "%s", kernel_name(kind, dtype_name, head_dim).c_str());
+}

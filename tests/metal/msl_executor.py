@@ -1,0 +1,146 @@
+"""MSL executor: runs the real Metal kernels on the CPU, for tests without a Mac.
+
+`Executor(build())` loads the library msl_build.py produces. `launch` runs one
+kernel by host name over numpy buffers (the shim self-tests);
+`paged_attention` runs msl/paged_attention_driver.cpp, the stand-in for
+eval_gpu: same plan, buffer slots, allocation and dispatch order. Inputs and
+output sit in guarded memory (an out-of-bounds read faults) and the output
+starts as NaN (an unwritten element shows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from msl_build import ExecutorUnavailable, build  # noqa: F401  (re-exported)
+
+
+class KernelFault(RuntimeError):
+    """The executor stopped a kernel: divergent barrier, bad shuffle, ..."""
+
+
+DTYPES = {  # name -> (numpy storage dtype, itemsize)
+    "float32": (np.float32, 4),
+    "float16": (np.float16, 2),
+    "bfloat16": (np.uint16, 2),  # bf16 bit patterns
+}
+
+
+def _view(a: np.ndarray) -> tuple[np.ndarray, int, list[int]]:
+    """(base buffer, element offset, element strides) of a strided view."""
+    base = a
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if not base.flags.c_contiguous:
+        raise ValueError("views must come from a contiguous base array")
+    item = a.itemsize
+    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    if offset % item or any(s % item for s in a.strides):
+        raise ValueError("unaligned view")
+    return base, offset // item, [s // item for s in a.strides]
+
+
+class Executor:
+    def __init__(self, path: Path):
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        c = ctypes
+        self.lib.msl_launch.argtypes = [
+            c.c_char_p, c.POINTER(c.c_void_p), c.POINTER(c.c_uint64), c.c_int,
+            c.POINTER(c.c_uint32), c.POINTER(c.c_uint32), c.c_uint64, c.c_int, c.c_int,
+            c.c_char_p, c.c_uint64]
+        self.lib.vm_paged_attention.argtypes = [
+            c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_int64),
+            c.POINTER(c.c_void_p), c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_float,
+            c.c_int, c.c_float, c.c_int, c.c_int, c.c_uint64, c.c_int, c.c_int, c.c_void_p,
+            c.POINTER(c.c_int64), c.c_char_p, c.c_uint64]
+        self.lib.msl_kernel_names.argtypes = [c.c_char_p, c.c_uint64]
+        self.lib.msl_kernel_names.restype = c.c_uint64
+        self.lib.vm_kernel_name.argtypes = [c.c_char_p, c.c_char_p, c.c_int, c.c_char_p,
+                                            c.c_uint64]
+        self.workers = max(1, min(os.cpu_count() or 1, 4))
+
+    def kernel_names(self) -> set[str]:
+        """Host names of every kernel instantiated in the compiled sources."""
+        buf = ctypes.create_string_buffer(1 << 16)
+        if self.lib.msl_kernel_names(buf, len(buf)) >= len(buf):
+            raise RuntimeError("kernel name list truncated")
+        return set(buf.value.decode().split())
+
+    def host_kernel_name(self, kind: str, dtype: str, head_dim: int) -> str:
+        """The name eval_gpu looks up (vllm_metal::kernel_name)."""
+        buf = ctypes.create_string_buffer(256)
+        self.lib.vm_kernel_name(kind.encode(), dtype.encode(), head_dim, buf, len(buf))
+        return buf.value.decode()
+
+    def launch(self, kernel: str, buffers: list[np.ndarray | None], grid, group, *,
+               seed: int = 0, at_start: bool = False) -> None:
+        """Runs `kernel`; buffers (contiguous numpy arrays) are updated in place."""
+        c = ctypes
+        n = len(buffers)
+        for b in buffers:
+            if b is not None and not b.flags.c_contiguous:
+                raise ValueError("launch buffers must be contiguous")
+        ptrs = (c.c_void_p * n)(*[None if b is None else b.ctypes.data for b in buffers])
+        sizes = (c.c_uint64 * n)(*[0 if b is None else b.nbytes for b in buffers])
+        err = c.create_string_buffer(4096)
+        rc = self.lib.msl_launch(kernel.encode(), ptrs, sizes, n, (c.c_uint32 * 3)(*grid),
+                                 (c.c_uint32 * 3)(*group), seed, self.workers, int(at_start),
+                                 err, len(err))
+        if rc != 0:
+            raise KernelFault(err.value.decode())
+
+    def paged_attention(self, dtype: str, q, key_cache, value_cache, block_tables, seq_lens,
+                        cu_seqlens_q, *, scale: float, sliding_window: int | None = None,
+                        softcap: float | None = None, partition_size: int = 0, seed: int = 0,
+                        at_start: bool = False,
+                        kernels: tuple[str, ...] = ("decode", "prefill"),
+                        ) -> tuple[np.ndarray, dict]:
+        """Runs the kernels as eval_gpu would; returns (output as float32, plan info).
+
+        Arrays may be any strided numpy views (bfloat16 as uint16 bit patterns).
+        `kernels` leaves out decode (with its reduce) or prefill, to see which
+        rows each writes; rows no kernel writes come out NaN.
+        """
+        c = ctypes
+        storage, itemsize = DTYPES[dtype]
+        inputs = [q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q]
+        for a, want in zip(inputs, [storage] * 3 + [np.int32] * 3):
+            if a.dtype != want:
+                raise TypeError(f"expected {np.dtype(want)}, got {a.dtype}")
+        views = [_view(a) for a in inputs]
+        num_tokens, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        dims = [num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads,
+                seq_lens.shape[0], block_tables.shape[1]]
+        strides = [s for _, _, st in views for s in st]
+        out = np.empty((num_tokens, num_heads, head_dim), dtype=storage)
+        info = (c.c_int64 * 2)()
+        err = c.create_string_buffer(4096)
+        rc = self.lib.vm_paged_attention(
+            dtype.encode(), itemsize, (c.c_int64 * 8)(*dims), (c.c_int64 * 15)(*strides),
+            (c.c_void_p * 6)(*[b.ctypes.data for b, _, _ in views]),
+            (c.c_uint64 * 6)(*[b.nbytes for b, _, _ in views]),
+            (c.c_int64 * 6)(*[o for _, o, _ in views]), scale, sliding_window or 0,
+            softcap or 0.0, partition_size, int(at_start), seed, self.workers,
+            int("decode" in kernels) | 2 * int("prefill" in kernels),
+            out.ctypes.data, info, err, len(err))
+        if rc != 0:
+            raise KernelFault(err.value.decode())
+        result = bf16_bits_to_float(out) if dtype == "bfloat16" else out.astype(np.float32)
+        return result, {"prefill_dispatched": bool(info[0]), "partitions": int(info[1])}
+
+
+def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Rounds float32 to bfloat16 (nearest even), as bit patterns."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,208 @@
+"""The Metal paged-attention kernels, run by the MSL executor exactly as
+eval_gpu dispatches them, against the CPU primitive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import msl_executor
+from paged_attention_cases import (BAD_INPUTS, DTYPES, KINDS, assert_close, break_case,
+                                   cpu_reference, make_case, storage)
+
+
+def run(executor, case, **options):
+    s = lambda a: storage(case.dtype, a)  # noqa: E731
+    return executor.paged_attention(
+        case.dtype, s(case.q), s(case.key_cache), s(case.value_cache), case.block_tables,
+        case.seq_lens, case.cu_seqlens_q, **case.kwargs(), **options)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_cpu_primitive(executor, rng, dtype, head_dim, group, block_size, kind):
+    case = make_case(rng, dtype=dtype, head_dim=head_dim, group=group,
+                     block_size=block_size, kind=kind)
+    out, info = run(executor, case)
+    assert info["prefill_dispatched"] == (len(case.q) >= 8)
+    if kind == "long_decode":
+        assert info["partitions"] > 1
+    assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_row_is_written_by_its_kernel(executor, rng, kind):
+    """Rows of sequences with >= 8 new tokens come from the prefill kernel,
+    all others from decode: running one kernel alone leaves exactly the other
+    kernel's rows unwritten (NaN, the executor's poison)."""
+    case = make_case(rng, dtype="float32", head_dim=64, group=2, block_size=16, kind=kind)
+    new_tokens = np.diff(case.cu_seqlens_q)
+    prefill_rows = np.repeat(new_tokens >= 8, new_tokens)
+    ref = cpu_reference(case)
+    for kernel, mine in (("decode", ~prefill_rows), ("prefill", prefill_rows)):
+        out, _ = run(executor, case, kernels=(kernel,))
+        assert np.isnan(out[~mine]).all(), f"{kernel} wrote rows it does not own"
+        assert_close(out[mine], ref[mine], "float32", kernel)
+    assert set(KINDS[kind]) == {k for k, m in (("decode", ~prefill_rows),
+                                               ("prefill", prefill_rows)) if m.any()}
+
+
+@pytest.mark.parametrize("sliding_window,softcap", [(16, None), (None, 30.0), (5, 20.0), (1, None)])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_and_softcap(executor, rng, dtype, kind, sliding_window, softcap):
+    case = make_case(rng, dtype=dtype, head_dim=int(rng.choice([64, 80, 128])),
+                     group=int(rng.choice([1, 4])), block_size=int(rng.choice([8, 16, 32])),
+                     kind=kind, sliding_window=sliding_window, softcap=softcap)
+    out, info = run(executor, case)
+    assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+@pytest.mark.parametrize("partition_size", [32, 96, 200])
+@pytest.mark.parametrize("kind", ["decode", "multi_token_decode", "mixed", "long_decode"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forced_partitions(executor, rng, dtype, kind, partition_size, sliding_window):
+    """Many small partitions, including empty ones (window) and ones that end
+    inside a cache block, through the reduce kernel."""
+    case = make_case(rng, dtype=dtype, head_dim=int(rng.choice([64, 128, 256])), group=2,
+                     block_size=int(rng.choice([8, 16, 32])), kind=kind,
+                     sliding_window=sliding_window)
+    out, info = run(executor, case, partition_size=partition_size)
+    capacity = case.block_tables.shape[1] * case.key_cache.shape[1]
+    assert info["partitions"] == -(-capacity // partition_size)
+    assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("head_dim", [1, 31, 33, 96, 255])
+def test_other_supported_shapes(executor, rng, head_dim, block_size, kind):
+    """Head dims off the tiers, the large block sizes and a GQA group of 3."""
+    dtype = DTYPES[head_dim % 3]
+    case = make_case(rng, dtype=dtype, head_dim=head_dim, group=3, block_size=block_size,
+                     kind=kind)
+    out, _ = run(executor, case)
+    assert_close(out, cpu_reference(case), dtype, kind)
+
+
+def _strided_copy(rng, a: np.ndarray, how: str) -> np.ndarray:
+    """The values of a as a non-contiguous numpy view."""
+    if how == "padded_last":      # rows padded: last axis contiguous, others not
+        base = np.zeros(a.shape[:-1] + (a.shape[-1] + 3,), a.dtype)
+        view = base[..., 1:1 + a.shape[-1]]
+    elif how == "every_other":    # stride 2 in the last axis
+        base = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+        view = base[..., ::2]
+    elif how == "reversed":       # negative strides in the first axis
+        base = np.zeros(a.shape, a.dtype)
+        view = base[::-1]
+    elif how == "transposed":     # axes 1 and 2 swapped in memory
+        base = np.zeros((a.shape[0], a.shape[2], a.shape[1]) + a.shape[3:], a.dtype)
+        view = base.swapaxes(1, 2)
+    else:
+        raise ValueError(how)
+    view[...] = a
+    assert not view.flags.c_contiguous
+    return view
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "long_decode"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs(executor, rng, dtype, kind):
+    """Every input as a non-contiguous view: the kernels read through strides
+    (eval_gpu passes MLX's strides instead of copying to temporaries)."""
+    case = make_case(rng, dtype=dtype, head_dim=80, group=2, block_size=16, kind=kind)
+    s = lambda a: storage(dtype, a)  # noqa: E731
+    out, _ = executor.paged_attention(
+        dtype,
+        _strided_copy(rng, s(case.q), "padded_last"),
+        _strided_copy(rng, s(case.key_cache), "transposed"),
+        _strided_copy(rng, s(case.value_cache), "every_other"),
+        _strided_copy(rng, case.block_tables, "every_other"),
+        _strided_copy(rng, case.seq_lens, "reversed"),
+        _strided_copy(rng, case.cu_seqlens_q, "every_other"),
+        **case.kwargs())
+    assert_close(out, cpu_reference(case), dtype, kind)
+
+
+def test_sequences_without_new_tokens(executor, rng):
+    case = make_case(rng, dtype="float32", head_dim=64, group=2, block_size=8, kind="decode")
+    # Sequence 1 contributes no query rows this step (cu repeats an entry).
+    case.cu_seqlens_q = np.array([0, 1, 1] + [2 + i for i in range(len(case.seq_lens) - 2)],
+                                 np.int32)
+    case.q = case.q[:case.cu_seqlens_q[-1]]
+    out, _ = run(executor, case)
+    assert_close(out, cpu_reference(case), "float32")
+
+
+def test_schedule_order_does_not_matter(executor, rng):
+    """Different thread interleavings between barriers give bit-identical
+    results: the kernels have no data race the executor can expose."""
+    for kind, partition_size in (("mixed", 0), ("decode", 48)):
+        case = make_case(rng, dtype="float16", head_dim=128, group=4, block_size=16, kind=kind)
+        outs = [run(executor, case, seed=seed, partition_size=partition_size)[0]
+                for seed in range(4)]
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+
+
+_RUN_IN_CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from msl_executor import Executor
+    d = np.load(sys.argv[3])
+    ex = Executor(Path(sys.argv[2]))
+    for at_start in (False, True):
+        out, _ = ex.paged_attention(
+            str(d["dtype"]), d["q"], d["k"], d["v"], d["bt"], d["sl"], d["cu"],
+            scale=float(d["scale"]), partition_size=int(d["partition_size"]),
+            at_start=at_start)
+        np.save(sys.argv[4] + ("_start.npy" if at_start else "_end.npy"), out)
+""")
+
+
+@pytest.mark.parametrize("how", BAD_INPUTS)
+@pytest.mark.parametrize("kind", ["multi_token_decode", "prefill", "mixed", "long_decode"])
+def test_bad_metadata_gives_nan_rows_and_no_out_of_bounds_read(executor, rng, tmp_path,
+                                                              kind, how):
+    from vllm_metal import ops  # noqa: F401
+    import mlx.core as mx
+    from paged_attention_cases import mx_inputs
+
+    case = make_case(rng, dtype="float16", head_dim=64, group=2, block_size=16, kind=kind)
+    reference = cpu_reference(case)
+    nan_tokens, exact_tokens = break_case(case, how)
+    with pytest.raises(RuntimeError):  # the CPU backend validates instead
+        mx.eval(ops.paged_attention(*mx_inputs(case), **case.kwargs(), stream=mx.cpu))
+
+    # In a child process: a read outside a guarded buffer kills it (SIGSEGV)
+    # instead of this test session. Guards sit after, then before, the data.
+    inputs = tmp_path / "case.npz"
+    np.savez(inputs, dtype=case.dtype, q=storage("float16", case.q),
+             k=storage("float16", case.key_cache), v=storage("float16", case.value_cache),
+             bt=case.block_tables, sl=case.seq_lens, cu=case.cu_seqlens_q, scale=case.scale,
+             partition_size=128 if kind == "long_decode" else 0)
+    child = subprocess.run(
+        [sys.executable, "-c", _RUN_IN_CHILD, str(Path(msl_executor.__file__).parent),
+         str(executor.path), str(inputs), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+        cwd=str(tmp_path))
+    assert child.returncode == 0, (
+        f"executor child died (rc {child.returncode}: a negative rc is a signal, e.g. -11 "
+        f"for an out-of-bounds read):\n{child.stderr[-2000:]}")
+    for suffix in ("_end.npy", "_start.npy"):
+        out = np.load(tmp_path / ("out" + suffix)).astype(np.float32)
+        assert np.isnan(out[nan_tokens]).all(), f"{how}: tokens {nan_tokens} must be NaN"
+        assert not np.isinf(out).any()
+        assert_close(out[exact_tokens], reference[exact_tokens], "float16", how)
