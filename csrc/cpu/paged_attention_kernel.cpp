@@ -12,6 +12,7 @@
 // query row's result depends only on its own sequence, never on what else is
 // in the batch, how tokens are tiled, or whether partitions ran in parallel.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -64,6 +65,29 @@ inline float dot(const float* a, const float* b, int n) {
     r += s[j] + s[j + 8];
   }
   return r;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: Cephes'
+// expf polynomial with round-to-nearest by the 1.5 * 2^23 trick, ~1 ulp.
+// Below -87.3 it returns ~1e-38 instead of 0: negligible next to the max
+// key's weight of 1.
+inline void exp_inplace(float* x, int n) {
+  for (int i = 0; i < n; ++i) {
+    float v = x[i] < -87.3f ? -87.3f : x[i];
+    v = v > 88.3f ? 88.3f : v;
+    const float t = v * 1.44269504088896341f + 12582912.0f;  // round(v / ln 2) in the low bits
+    const float k = t - 12582912.0f;
+    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t scale = (std::bit_cast<int32_t>(t) - 0x4B400000 + 127) << 23;  // 2^k
+    x[i] = p * std::bit_cast<float>(scale);
+  }
 }
 
 // acc[0:n] += sum_i w[i] * v[i * stride + 0:n], in i order for every element,
@@ -280,7 +304,10 @@ class CpuPagedAttention {
     }
     float l = st.l * a;
     for (int i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - m);
+      s[i] -= m;
+    }
+    exp_inplace(s, n);
+    for (int i = 0; i < n; ++i) {
       l += s[i];
     }
     accumulate_rows(acc, s, v, n, D, D);
