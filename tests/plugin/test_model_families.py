@@ -79,3 +79,13 @@ def test_attention_without_projections_is_a_clear_error():
 
     with pytest.raises(NotImplementedError, match="lacks q_proj, k_proj, v_proj, o_proj, rope"):
         PagedAttentionLayer(OddAttention())
+
+
+def test_missing_model_and_offline_hub_id_are_clear_errors(tmp_path, monkeypatch):
+    from vllm_metal.models.loader import resolve_model_dir
+
+    with pytest.raises(FileNotFoundError, match="is not a model directory"):
+        resolve_model_dir(str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="cannot get model 'no-such-org/no-such-model' from the Hugging Face hub"):
+        resolve_model_dir("no-such-org/no-such-model")

@@ -62,10 +62,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    path = Path(model_dir)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json); give a local "
-                                "mlx-lm / Hugging Face model directory")
+    path = resolve_model_dir(str(model_dir))
     try:
         model, config = mlx_lm_load_model(path)
     except ValueError as e:
@@ -97,6 +94,25 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        num_kv_heads=first.n_kv_heads, head_dim=head_dim, sliding_windows=windows,
                        quantized=_has_quantized(model))
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local model directory, or a Hugging Face hub id downloaded (or found
+    in the local hub cache) where the network allows."""
+    path = Path(model).expanduser()
+    if (path / "config.json").exists():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"{model} is not a model directory (no config.json); give a local "
+                                "mlx-lm / Hugging Face model directory or a hub id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.py",
+                                                             "tokenizer.model", "*.tiktoken", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, no access: say which
+        raise FileNotFoundError(f"cannot get model {model!r} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{e}); download it where the network allows and pass its directory") from e
 
 
 def _model_type(path: Path) -> str | None:
