@@ -1,13 +1,14 @@
 // PagedAttention::eval_cpu: the CPU backend of the paged-attention primitive.
 // Reads the index arrays, validates them (the only data-dependent checks: a
-// bad block id or length raises here, before anything is read through it)
-// and runs the kernel variant for this CPU's instruction set.
+// bad block id or length raises from mx.eval, before anything is read
+// through it) and runs the kernel variant for this CPU's instruction set.
 #include <sstream>
 #include <stdexcept>
 #include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/stream.h"
 
 #include "cpu/paged_attention_kernel.h"
 #include "paged_attention.h"
@@ -88,8 +89,6 @@ void (*select_kernel())(const KernelArgs&) {
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-
   const auto& q = inputs[0];
   const auto& kc = inputs[1];
   const auto& vc = inputs[2];
@@ -113,6 +112,26 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
                                                  : KernelDtype::bfloat16;
   static const auto kernel = select_kernel();
 
+  // The index data is validated here, on the thread running mx.eval, so a
+  // bad block id or length raises before anything is dispatched. It must not
+  // throw from the CPU task: in MLX 0.32 CommandEncoder::dispatch counts a
+  // new task and then enqueues, and that enqueue rethrows a failed task's
+  // pending error, so the count can leak; after ~10 leaks (~100 errors)
+  // every later eval waits forever (found by tests/reliability fuzzing).
+  // Index arrays made from host data (the engine's) are ready now; arrays
+  // computed in this graph are waited for.
+  bool ready = true;
+  for (int i = 3; i < 6; ++i) {
+    ready = ready && inputs[i].status() == mx::array::Status::available;
+  }
+  if (!ready) {
+    mx::synchronize(stream());
+  }
+  auto seq_lens = read_ints(inputs[4]);
+  auto cu_seqlens_q = read_ints(inputs[5]);
+  validate_batch(g, seq_lens, cu_seqlens_q, inputs[3]);
+
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) {
     encoder.set_input_array(a);
@@ -120,12 +139,12 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   encoder.set_output_array(out);
   // MLX keeps the input buffers alive until this task has run (no encoder
   // temporaries needed); the arrays are captured only to read them.
-  encoder.dispatch([inputs, out, params = params_, g, dtype]() mutable {
+  encoder.dispatch([inputs, out, params = params_, g, dtype, seq_lens = std::move(seq_lens),
+                    cu_seqlens_q = std::move(cu_seqlens_q)]() mutable {
     KernelArgs args{dtype, inputs[0].data<void>(), inputs[1].data<void>(),
                     inputs[2].data<void>(), inputs[3].data<int32_t>(),
-                    out.data<void>(), params, g, read_ints(inputs[4]),
-                    read_ints(inputs[5])};
-    validate_batch(g, args.seq_lens, args.cu_seqlens_q, inputs[3]);
+                    out.data<void>(), params, g, std::move(seq_lens),
+                    std::move(cu_seqlens_q)};
     kernel(args);
   });
 }

@@ -45,8 +45,21 @@ def _as_index_array(value, name: str) -> mx.array:
         arr = np.asarray(value)
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        # A plain astype would wrap e.g. block id 2**32 + 3 to block 3: a
+        # silent wrong read instead of an error.
+        outside = (arr < np.iinfo(np.int32).min) | (arr > np.iinfo(np.int32).max)
+        if outside.any():
+            at = tuple(int(i) for i in np.argwhere(outside)[0])
+            raise ValueError(f"{name}[{', '.join(map(str, at))}] = {arr[at]} does not fit in int32")
         return mx.array(arr.astype(np.int32))
     raise TypeError(f"{name} must be an mx.array (or numpy array/list), got {type(value).__name__}")
+
+
+def _as_scale(scale) -> float:
+    try:
+        return float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number, got {scale!r}") from None
 
 
 def _check_array(value, name: str) -> None:
@@ -103,7 +116,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlen
     if attention_path(stream)[0] == "reference":
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window,
                                          softcap=softcap, stream=stream)
-    return _ext.paged_attention(*args, scale=float(scale), sliding_window=sliding_window,
+    return _ext.paged_attention(*args, scale=_as_scale(scale), sliding_window=sliding_window,
                                 softcap=softcap, stream=stream)
 
 
@@ -120,7 +133,7 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     # Same static validation as the primitive (building the lazy node is free).
     _ext.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                         scale=float(scale), sliding_window=sliding_window, softcap=softcap,
+                         scale=_as_scale(scale), sliding_window=sliding_window, softcap=softcap,
                          stream=stream)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape

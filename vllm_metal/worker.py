@@ -98,5 +98,19 @@ class MetalWorker(WorkerBase):
     def check_health(self) -> None:
         return None
 
+    def memory_stats(self) -> dict[str, int]:
+        """MLX and process memory and the runner's live request states, read in
+        the engine process (where MLX lives). Reached through collective_rpc,
+        e.g. `vllm serve`'s dev endpoint POST /collective_rpc
+        {"method": "memory_stats"} (VLLM_SERVER_DEV_MODE=1); the reliability
+        tests use it to bound leaks."""
+        import psutil
+
+        batch = self.model_runner.batch if self.model_runner is not None else None
+        return dict(mlx_active_bytes=mx.get_active_memory(), mlx_cache_bytes=mx.get_cache_memory(),
+                    mlx_peak_bytes=mx.get_peak_memory(), rss_bytes=psutil.Process().memory_info().rss,
+                    request_states=len(batch.requests) if batch is not None else 0,
+                    batch_rows=len(batch.rows) if batch is not None else 0)
+
     def shutdown(self) -> None:
         self.model_runner = None
