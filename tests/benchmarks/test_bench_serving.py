@@ -1,0 +1,68 @@
+"""The serving benchmark's command lines and per-server request fields (no servers started)."""
+
+from __future__ import annotations
+
+import json
+
+import bench_serving as bs
+
+
+def test_every_vllm_system_serves_the_same_model_config():
+    commands = {s: bs.server_command(s, "/m", 1234, 1 << 30, preload=False) for s in bs.SYSTEMS}
+    for system in ("vllm-metal", "vllm-metal-sync", "vllm-cpu"):
+        cmd, _ = commands[system]
+        joined = " ".join(cmd)
+        assert "--dtype float32" in joined and "--max-model-len 2048" in joined
+        assert f"--kv-cache-memory-bytes {1 << 30}" in joined and "--port 1234" in joined
+    assert commands["vllm-metal"][1] == {"VLLM_METAL_DEVICE": "cpu"}
+    assert commands["vllm-metal-sync"][1]["VLLM_METAL_SYNC_PER_LAYER"] == "1"
+    cpu_cmd, cpu_env = commands["vllm-cpu"]
+    assert cpu_cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cpu_env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "LD_PRELOAD" not in cpu_env
+    mlx_cmd, _ = commands["mlx-lm"]
+    assert mlx_cmd[1].endswith("mlx_lm_server.py") and mlx_cmd[2:4] == ["--model", "/m"]
+
+
+def test_server_env_drops_the_callers_plugin_settings(monkeypatch):
+    monkeypatch.setenv("VLLM_METAL_SYNC_PER_LAYER", "1")
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    env = bs.clean_env({})
+    assert not any(k.startswith("VLLM_METAL_") for k in env)
+    assert bs.clean_env({"VLLM_METAL_DEVICE": "cpu"})["VLLM_METAL_DEVICE"] == "cpu"
+
+
+def test_mlx_lm_gets_eos_suppressed_and_vllm_servers_nothing(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert bs.eos_token_ids(tmp_path) == [2, 7]
+    body = bs.extra_body("mlx-lm", tmp_path)
+    assert body["logit_bias"] == {"2": -1e9, "7": -1e9}
+    assert body["logprobs"] is False and body["repetition_penalty"] == 0.0
+    assert bs.extra_body("vllm-metal", tmp_path) == {} == bs.extra_body("vllm-cpu", tmp_path)
+
+
+def test_bench_command_uses_vllms_client_on_the_custom_dataset(tmp_path):
+    cmd = bs.bench_command("http://127.0.0.1:9", "/m", tmp_path / "p.jsonl", 16, 8, tmp_path, "r.json",
+                           {"logprobs": False})
+    joined = " ".join(cmd)
+    assert cmd[cmd.index("bench") + 1] == "serve"
+    for flag in ("--dataset-name custom", "--skip-chat-template", "--custom-output-len -1",
+                 "--disable-shuffle", "--num-prompts 16", "--max-concurrency 8", "--ignore-eos",
+                 "--temperature 0", "--metric-percentiles 50,99", "--save-result"):
+        assert flag in joined
+    assert json.loads(cmd[cmd.index("--extra-body") + 1]) == {"logprobs": False}
+
+
+def test_foreign_cpu_is_machine_busy_time_minus_ours():
+    before, after = (100.0, 10.0, 5.0), (130.0, 25.0, 7.0)  # 30 s busy, 15 + 2 s of it ours
+    assert bs.foreign_cores(before, after, wall_s=13.0) == 1.0
+    assert bs.foreign_cores(after, after, wall_s=1.0) == 0.0
+
+
+def test_cpu_snapshot_reads_this_session():
+    import os
+
+    sum(i * i for i in range(200_000))  # burn a little CPU in this process
+    busy, session, own = bs.cpu_snapshot(os.getsid(0))
+    assert busy > 0 and own > 0
+    assert session > 0  # this test process is in its own session's process list
