@@ -58,13 +58,13 @@ def _host() -> dict:
 
 
 def _cuda_paths() -> list[dict]:
-    from vllm_metal.cuda_gate import CUDA_PATHS, requested_options
+    from vllm_metal.cuda_gate import CUDA_PATHS, env_requests
 
     rows = []
     for path in CUDA_PATHS:
         rows.append({"name": path.name, "key": path.key, "status": "inert", "reason": path.reason,
                      "instead": path.instead, "if_requested": path.on_request,
-                     "requested_by_env": requested_options(path)})
+                     "requested_by_env": env_requests(path)})
     return rows
 
 

@@ -121,21 +121,28 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
 )
 
 
-def requested_options(path: CudaPath, vllm_config=None, environ=None) -> list[str]:
-    """The options (config fields or env vars) that ask for `path`."""
+def config_request(path: CudaPath, vllm_config) -> str | None:
+    """The config option (CLI flag) that asks for `path`, or None."""
+    if path.requested is None or vllm_config is None:
+        return None
+    return path.requested(vllm_config) or None
+
+
+def env_requests(path: CudaPath, environ=None) -> list[str]:
+    """The environment variables that tune `path`, as NAME=value."""
     environ = os.environ if environ is None else environ
-    found = []
-    if path.requested is not None and vllm_config is not None:
-        option = path.requested(vllm_config)
-        if option:
-            found.append(option)
-    found += [f"{n}={environ[n]}" for n in path.env_vars if n in environ]
+    found = [f"{n}={environ[n]}" for n in path.env_vars if n in environ]
     found += [f"{n}={environ[n]}" for n in sorted(environ) for p in path.env_prefixes if n.startswith(p)]
     return found
 
 
 class CudaOnlyOptionError(ValueError):
     pass
+
+
+def _refuse(option: str, path: CudaPath) -> CudaOnlyOptionError:
+    return CudaOnlyOptionError(f"{option} asks for {path.name}, which is CUDA-only and cannot run on "
+                               f"vllm-metal ({path.reason}). Instead: {path.instead}.")
 
 
 def gate_config(vllm_config, environ=None) -> list[str]:
@@ -145,14 +152,12 @@ def gate_config(vllm_config, environ=None) -> list[str]:
     run here, so they always just warn. Returns the warnings."""
     warnings = []
     for path in CUDA_PATHS:
-        options = requested_options(path, vllm_config, environ)
+        option = config_request(path, vllm_config)
+        if option and path.on_request == "error":
+            raise _refuse(option, path)
+        options = ([option] if option else []) + env_requests(path, environ)
         if not options:
             continue
-        from_config = path.requested is not None and path.requested(vllm_config)
-        if path.on_request == "error" and from_config:
-            raise CudaOnlyOptionError(
-                f"{from_config} asks for {path.name}, which is CUDA-only and cannot run on "
-                f"vllm-metal ({path.reason}). Instead: {path.instead}.")
         message = f"{', '.join(options)}: {path.name} is inert on vllm-metal ({path.reason}); {path.instead}."
         logger.warning(message)
         warnings.append(message)
@@ -163,9 +168,7 @@ def reject_quantization(method: str) -> None:
     """vLLM's own quantization methods all need CUDA kernels (checked by vLLM
     before the rest of the config, so the gate's error must come from here)."""
     path = next(p for p in CUDA_PATHS if p.key == "quantized_kernels")
-    raise CudaOnlyOptionError(
-        f"--quantization {method} (or the checkpoint's quantization_config) asks for {path.name}, which "
-        f"is CUDA-only and cannot run on vllm-metal ({path.reason}). Instead: {path.instead}.")
+    raise _refuse(f"--quantization {method} (or the checkpoint's quantization_config)", path)
 
 
 def reject_attention_backend(selected_backend) -> None:

@@ -60,10 +60,6 @@ class LayerCacheView:
     def make_mask(self, *args, **kwargs):
         return None  # masking is inside the paged primitive
 
-    @property
-    def offset(self):  # never used by our layers; mlx-lm may read it
-        return self.store.step.positions if self.store.step is not None else 0
-
 
 class PagedAttentionLayer(nn.Module):
     """Wraps one mlx-lm attention module (its weights stay where they are)."""
