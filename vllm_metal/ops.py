@@ -24,7 +24,8 @@ from __future__ import annotations
 from vllm_metal import envs
 from vllm_metal import fast_blas
 
-fast_blas.preload()  # must precede the first `import mlx.core`
+fast_blas.preload()  # normally done already (see vllm_metal/__init__.py)
+fast_blas.warn_if_too_late()
 
 from vllm_metal._native import load_extension  # noqa: E402
 

@@ -29,7 +29,10 @@ class RequestState:
     num_computed_tokens: int
     # Appended in place: vLLM's logits processors hold a reference to it.
     output_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: LogprobsTensors | None = None  # filled chunk by chunk
+    # Prompt scores, filled chunk by chunk (vllm_metal.prompt_logprobs) and
+    # handed to vLLM once, with the request's first sampled token.
+    prompt_logprobs: LogprobsTensors | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,15 @@ from __future__ import annotations
 import platform as _host
 
 import torch
+import vllm
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_metal import activation, envs
+from vllm_metal import activation, envs, versions
+
+# vLLM resolves the platform class by importing this module: an unsupported
+# vLLM stops here, with the supported range, before anything half-works.
+versions.check_vllm(vllm.__version__)
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
@@ -142,6 +147,10 @@ class MetalPlatform(Platform):
         calls it in the API process and again in the engine process."""
         from vllm.config import CompilationMode, CUDAGraphMode
 
+        if vllm_config.use_v2_model_runner:
+            # register() sets VLLM_USE_V2_MODEL_RUNNER=0 unless the user chose 1.
+            raise ValueError("vllm-metal implements vLLM's V1 model-runner contract (resumed requests "
+                             "arrive as cached requests with their tokens); unset VLLM_USE_V2_MODEL_RUNNER")
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from vllm.sampling_params import SamplingType
-from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
@@ -72,19 +71,3 @@ def sample(sampler: Sampler, logits: torch.Tensor, states: list[RequestState], d
     for i, state in saved.items():
         states[i].generator.set_state(state)
     return out
-
-
-def prompt_logprobs_chunk(state: RequestState, logits: torch.Tensor, start: int, vocab_size: int) -> None:
-    """Records logprobs of prompt tokens start+1 .. start+len(logits) (row i
-    of `logits` predicts token start+i+1) into state.prompt_logprobs."""
-    k = state.sampling_params.prompt_logprobs
-    k = vocab_size if k == -1 else k
-    num_prompt = len(state.prompt_token_ids)
-    if state.prompt_logprobs is None:
-        state.prompt_logprobs = LogprobsTensors.empty_cpu(num_prompt - 1, k + 1)
-    n = logits.shape[0]
-    targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + n], dtype=torch.int64)
-    ids, logprobs, ranks, *_ = Sampler.gather_logprobs(Sampler.compute_logprobs(logits), k, targets)
-    state.prompt_logprobs.logprob_token_ids[start:start + n] = ids
-    state.prompt_logprobs.logprobs[start:start + n] = logprobs
-    state.prompt_logprobs.selected_token_ranks[start:start + n] = ranks

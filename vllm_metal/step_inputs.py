@@ -37,7 +37,13 @@ class StepInputs:
         return self.cu_seqlens_q[1:] - 1
 
 
-def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int]) -> StepInputs:
+def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
+                      sliding_windows: Sequence[int | None] | None = None) -> StepInputs:
+    """sliding_windows: per group, the window of a sliding-window group (None
+    for full attention). vLLM frees a sliding-window request's out-of-window
+    blocks (and may hand them to other requests) without telling the worker,
+    so table entries wholly below the step's first query's window are set to
+    the null block 0: nothing may read a block the request no longer owns."""
     if not rows:
         raise ValueError("a step needs at least one scheduled row")
     counts = np.array([len(r.token_ids) for r in rows], np.int32)
@@ -63,6 +69,12 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int]) 
                                  f"{int(seq_lens[s])} tokens")
             table[s, :len(ids)] = ids
         blocks = table[row_of_token, positions // block_size].astype(np.int64)
+        window = sliding_windows[group] if sliding_windows is not None else None
+        if window:
+            # Entry j is out of every query's window when (j + 1) * block_size
+            # <= first position - window + 1.
+            first_live = np.maximum(computed - window + 1, 0) // block_size
+            table[np.arange(table.shape[1])[None, :] < first_live[:, None]] = 0
         block_tables.append(table)
         slot_mappings.append(blocks * block_size + positions % block_size)
     return StepInputs(token_ids=token_ids, positions=positions, seq_lens=seq_lens, cu_seqlens_q=cu,

@@ -7,7 +7,6 @@ loads the model, tells the engine how much KV cache fits, and forwards steps.
 
 from __future__ import annotations
 
-import torch
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
@@ -18,7 +17,7 @@ fast_blas.preload()  # before anything imports mlx.core
 
 import mlx.core as mx  # noqa: E402
 
-from vllm_metal import memory  # noqa: E402
+from vllm_metal import memory, upstream_patches  # noqa: E402
 from vllm_metal.capabilities import short_report  # noqa: E402
 from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
 from vllm_metal.platform import mlx_device_name  # noqa: E402
@@ -36,12 +35,7 @@ class MetalWorker(WorkerBase):
             mx.set_default_device(mx.gpu)
         else:
             mx.set_default_device(mx.cpu)
-        if not torch.accelerator.is_available():
-            # vLLM's shutdown empties the torch accelerator cache unless the
-            # platform is its own CPU platform; there is no accelerator here.
-            torch.accelerator.empty_cache = lambda *a, **k: None
-            torch.accelerator.synchronize = lambda *a, **k: None
-            torch.accelerator.empty_host_cache = lambda *a, **k: None
+        upstream_patches.patch_torch_accelerator()  # see the module: vLLM's shutdown path
         set_random_seed(self.model_config.seed)
         mx.random.seed(self.model_config.seed or 0)
         logger.info("vllm-metal: %s", short_report(self.device_name))
@@ -93,6 +87,11 @@ class MetalWorker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        """Called by the engine when it pauses with cache clearing; text
+        models keep no encoder cache."""
         return None
 
     def check_health(self) -> None:

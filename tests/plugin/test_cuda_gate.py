@@ -32,7 +32,10 @@ def test_doctor_json_on_this_machine():
     assert report["extension"] == {"built_against_mlx": "0.32.4", "metal_kernels": False, "loaded": True}
     assert report["attention_path"]["name"] == "cpu" and report["attention_path"]["reason"]
     assert len(report["cuda_paths"]) == len(cuda_gate.CUDA_PATHS)
-    assert all(p["status"] == "inert" and p["reason"] and p["instead"] for p in report["cuda_paths"])
+    assert all(p["status"] == {"warn": "inert", "error": "refused"}[p["if_requested"]] and p["reason"]
+               and p["instead"] for p in report["cuda_paths"])
+    assert {"lora", "kv_connector", "kv_offloading", "pooling", "prompt_embeds"} <= {
+        p["key"] for p in report["cuda_paths"] if p["status"] == "refused"}
 
 
 def test_doctor_text_and_module_entry_point():
@@ -79,6 +82,15 @@ def engine_config(model_dir, **kwargs):
     (dict(kv_cache_dtype="fp8"), r"--kv-cache-dtype fp8 asks for FP8 KV cache"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
      r"--speculative-config asks for speculative decoding"),
+    # Accepted by vLLM, and silently ignored by the MLX runner until refused:
+    (dict(enable_lora=True), r"--enable-lora asks for LoRA adapters .*Instead: merge the adapter"),
+    (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+     r"--kv-transfer-config \(kv_connector=ExampleConnector\) asks for KV connectors"),
+    (dict(kv_offloading_size=1.0), r"--kv-offloading-size 1.0 asks for KV-cache offloading"),
+    (dict(runner="pooling"), r"--runner pooling( --convert embed)? asks for pooling / embedding .*vllm-metal does not serve"),
+    (dict(runner="pooling", convert="embed"), r"--runner pooling --convert embed asks for pooling"),
+    (dict(convert="embed"), r"--runner pooling --convert embed asks for pooling"),
+    (dict(enable_prompt_embeds=True), r"--enable-prompt-embeds asks for prompt embeddings"),
 ])
 def test_result_changing_options_are_errors(model_dir, kwargs, message):
     with pytest.raises(Exception, match=message):
@@ -113,3 +125,12 @@ def test_engine_with_inert_options_serves_and_loads_no_cuda_extension(model_dir)
     assert len(tokens[0]) == 4
     loaded = [m for m in sys.modules if m in CUDA_EXTENSIONS or m.startswith(("flashinfer", "flash_attn"))]
     assert loaded == []
+
+
+def test_docs_table_is_generated_from_the_gate():
+    from pathlib import Path
+
+    assert set(cuda_gate.FLAGS) == {p.key for p in cuda_gate.CUDA_PATHS}
+    text = (Path(__file__).resolve().parents[2] / "docs" / "capabilities.md").read_text()
+    block = text.split("<!-- cuda-paths:begin")[1].split("-->", 1)[1].split("<!-- cuda-paths:end -->")[0]
+    assert block.strip() == cuda_gate.markdown_table(), "regenerate: python -m vllm_metal.cuda_gate"

@@ -3,6 +3,7 @@ mlx-lm's own greedy generation on the same weights and dtype."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -89,3 +90,78 @@ def test_missing_model_and_offline_hub_id_are_clear_errors(tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="cannot get model 'no-such-org/no-such-model' from the Hugging Face hub"):
         resolve_model_dir("no-such-org/no-such-model")
+
+
+def _with_rope_scaling(model_dir, tmp_path, weights, scaling, layers=2):
+    variant = Path(make_variant(model_dir, tmp_path / scaling["type"], "llama",
+                                {k: v for k, v in weights.items()}, layers=layers))
+    config = json.loads((variant / "config.json").read_text())
+    config["rope_scaling"] = scaling
+    (variant / "config.json").write_text(json.dumps(config))
+    return variant
+
+
+def test_dynamic_ntk_rope_is_refused_at_load(model_dir, weights, tmp_path):
+    # mlx-lm's DynamicNTKScalingRoPE takes one integer offset per call (its
+    # base depends on the call's length); per-token positions cannot be served
+    # the same way, so the model is refused with the reason -- at load, and
+    # through vLLM before any request.
+    variant = _with_rope_scaling(model_dir, tmp_path, weights, {"type": "dynamic", "factor": 2.0})
+    message = r"model type 'llama' with rope scaling .*dynamic.* cannot be served .*DynamicNTKScalingRoPE"
+    with pytest.raises(NotImplementedError, match=message):
+        load_model(variant)
+    with pytest.raises(Exception, match="DynamicNTKScalingRoPE"):
+        with engine(str(variant)):
+            pass
+
+
+@pytest.mark.parametrize("scaling", [
+    {"type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024, "type": "llama3"},
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+])
+def test_rope_variants_take_per_token_positions(model_dir, weights, tmp_path, scaling):
+    from vllm_metal.models.attention_adapter import check_rope
+
+    model = load_model(_with_rope_scaling(model_dir, tmp_path, weights, scaling))
+    check_rope(model.model.layers[0].self_attn.inner.rope, model.head_dim)  # the load ran it too
+
+
+def test_warm_up_failure_stops_start_up_with_the_model_named(model_dir, monkeypatch):
+    # Whatever breaks in a multi-row, multi-token step shows at start-up.
+    from vllm_metal.models import attention_adapter
+
+    real = attention_adapter.PagedAttentionLayer.__call__
+
+    def broken(self, x, mask=None, cache=None):
+        if x.shape[1] > 1:
+            raise ValueError("cannot do several tokens")
+        return real(self, x, mask, cache)
+
+    monkeypatch.setattr(attention_adapter.PagedAttentionLayer, "__call__", broken)
+    with pytest.raises(Exception, match="cannot serve .*warm-up step .*cannot do several tokens"):
+        with engine(model_dir):
+            pass
+
+
+def test_unproven_family_is_refused_not_served_wrong(model_dir, tmp_path):
+    # gemma2 loads in mlx-lm and has q/k/v/o projections, but its attention
+    # and final logit softcaps are outside the paged adapter: refused, named.
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma2
+
+    from vllm_metal.models.registry import SERVED, UnservedModelError
+
+    args = dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                num_attention_heads=4, head_dim=16, rms_norm_eps=1e-6, vocab_size=49152, num_key_value_heads=2,
+                query_pre_attn_scalar=16.0)
+    out = tmp_path / "gemma2"
+    out.mkdir()
+    model = gemma2.Model(gemma2.ModelArgs(**args))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps({**args, "architectures": ["Gemma2ForCausalLM"]}))
+    with pytest.raises(UnservedModelError, match=r"model type 'gemma2' is not served by vllm-metal yet.*"
+                                                 r"Served: llama, mistral, qwen2, qwen3"):
+        load_model(out)
+    assert "gemma2" not in SERVED

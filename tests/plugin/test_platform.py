@@ -87,5 +87,49 @@ def test_platform_defaults(monkeypatch):
     monkeypatch.setenv("VLLM_METAL_DEVICE", "gpu")
     assert platform.MetalPlatform().supported_dtypes[0] == torch.bfloat16
     assert platform.MetalPlatform().is_cpu() is False  # keeps vLLM off torch.ops._C sampling kernels
-    platform.MetalPlatform.import_kernels()
-    assert "vllm._C" not in sys.modules
+
+
+KERNEL_IMPORTS = """
+import importlib.abc, json, sys
+attempts = []
+class Recorder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("vllm._") and name.split(".")[1].endswith("_C"):
+            attempts.append(name)  # recorded whether or not the import would succeed
+        return None
+sys.meta_path.insert(0, Recorder())
+from vllm_metal.platform import MetalPlatform
+from vllm.platforms.interface import Platform
+getattr(%s, "import_kernels")()
+print(json.dumps(attempts))
+"""
+
+
+@pytest.mark.parametrize("cls,expect_attempts", [("MetalPlatform", False), ("Platform", True)])
+def test_import_kernels_never_touches_vllm_compiled_extensions(cls, expect_attempts):
+    # In a fresh interpreter, with every import attempt of vLLM's compiled
+    # extensions recorded: ours attempts none; vLLM's base class (the control,
+    # what the platform would do without its override) attempts vllm._C.
+    env = dict(os.environ, VLLM_METAL_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "-c", KERNEL_IMPORTS % cls], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    attempts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert bool(attempts) is expect_attempts, attempts
+    if expect_attempts:
+        assert "vllm._C" in attempts
+
+
+def test_v1_runner_contract_is_forced(model_dir, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_metal
+
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    vllm_metal.register()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert EngineArgs(model=model_dir, max_model_len=256).create_engine_config().use_v2_model_runner is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="V1 model-runner contract.*unset VLLM_USE_V2_MODEL_RUNNER"):
+        EngineArgs(model=model_dir, max_model_len=256).create_engine_config()

@@ -72,10 +72,46 @@ def test_stop_strings_and_tokens(llm):
     assert out.outputs[0].text == text[:text.index(stop)]
 
 
-def test_penalties_allowed_ids_logit_bias_min_tokens(llm):
-    penalized = generate(llm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
-                                             repetition_penalty=1.8)).outputs[0].token_ids
-    assert list(penalized) != GREEDY
+@pytest.fixture(scope="module")
+def reference_logits(model_dir):
+    """tokens -> float64 logits of mlx-lm's own forward (row i predicts token i + 1)."""
+    from mlx_lm.utils import dequantize_model, load_model
+
+    model, _ = load_model(Path(model_dir))
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    return lambda tokens: np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)
+
+
+def penalized(logits, prompt, output, repetition, frequency, presence):
+    """vLLM's documented penalties (vllm.model_executor.layers.utils.apply_penalties),
+    in float64: repetition divides positive / multiplies negative logits of
+    every token seen in the prompt or output; frequency and presence subtract
+    per output occurrence / once per output token."""
+    logits = logits.copy()
+    seen = np.zeros(len(logits), bool)
+    seen[list(set(prompt) | set(output))] = True
+    logits[seen] = np.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+    counts = np.bincount(np.array(output, dtype=np.int64), minlength=len(logits))[:len(logits)]
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+@pytest.mark.parametrize("repetition,frequency,presence", [(1.8, 0.0, 0.0), (1.0, 2.0, 0.0), (1.2, 0.3, 1.5)])
+def test_each_penalized_choice_is_the_argmax_of_the_penalized_logits(llm, reference_logits, repetition,
+                                                                     frequency, presence):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=repetition,
+                            frequency_penalty=frequency, presence_penalty=presence)
+    out = list(generate(llm, params).outputs[0].token_ids)
+    logits = reference_logits(PROMPT + out[:-1])[len(PROMPT) - 1:]  # row t predicts out[t]
+    changed = 0
+    for t, token in enumerate(out):
+        scores = penalized(logits[t], PROMPT, out[:t], repetition, frequency, presence)
+        assert scores[token] >= scores.max() - 2e-3, f"step {t}: chose {token}, argmax {int(scores.argmax())}"
+        changed += int(np.argmax(logits[t]) != token)
+    assert changed, "the penalties never changed a choice: the test would not notice them missing"
+
+
+def test_allowed_ids_logit_bias_min_tokens(llm):
     allowed = [GREEDY[0], 11, 12]
     out = generate(llm, SamplingParams(temperature=1.0, max_tokens=12, seed=1, allowed_token_ids=allowed))
     assert set(out.outputs[0].token_ids) <= set(allowed)
@@ -84,3 +120,61 @@ def test_penalties_allowed_ids_logit_bias_min_tokens(llm):
     eos = 2
     short = generate(llm, SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0}, min_tokens=5))
     assert len(short.outputs[0].token_ids) == 6 and short.outputs[0].token_ids[-1] == eos
+
+
+class ForceToken:
+    """A custom logits processor (vLLM's v1 LogitsProcessor interface): rows
+    whose request carries extra_args={"force": id} may only emit that id.
+    Tracks rows through vLLM's BatchUpdate, so it also checks the persistent
+    batch's add/remove/move bookkeeping."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.rows: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, update):
+        from vllm.v1.sample.logits_processor import MoveDirectionality
+
+        if not update:
+            return
+        for index, params, _, _ in update.added:
+            force = (params.extra_args or {}).get("force") if params is not None else None
+            if force is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = force
+        for index in update.removed:
+            self.rows.pop(index, None)
+        for a, b, direction in update.moved:
+            va, vb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if va is not None:
+                self.rows[b] = va
+            if direction == MoveDirectionality.SWAP and vb is not None:
+                self.rows[a] = vb
+
+    def apply(self, logits):
+        for row, token in self.rows.items():
+            keep = logits[row, token].clone()
+            logits[row] = float("-inf")
+            logits[row, token] = keep
+        return logits
+
+
+def test_custom_logits_processor_and_generation_config_override(model_dir):
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    processor = type("ForceTokenProcessor", (ForceToken, LogitsProcessor), {})
+    with engine(model_dir, logits_processors=[processor], max_num_seqs=4,
+                override_generation_config={"max_new_tokens": 3, "temperature": 0.0}) as llm:
+        prompts = [GOLDEN[i]["prompt_ids"] for i in (0, 1, 2, 3)]
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                 extra_args={"force": 77} if i % 2 else None) for i in range(4)]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        for i, out in enumerate(outs):
+            expected = [77] * 8 if i % 2 else GOLDEN[i]["greedy_ids"][:8]
+            assert list(out.outputs[0].token_ids) == expected, i
+        # No sampling params: the overridden generation config gives 3 greedy tokens.
+        default = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], use_tqdm=False)[0]
+        assert list(default.outputs[0].token_ids) == GOLDEN[0]["greedy_ids"][:3]

@@ -41,3 +41,47 @@ def test_empty_rows_rejected():
         build_step_inputs([], [16])
     with pytest.raises(ValueError, match="row 0 has no scheduled tokens"):
         build_step_inputs([ScheduledRow([], 0, [[1]])], [16])
+
+
+def test_sliding_window_tables_drop_blocks_vllm_has_freed():
+    # vLLM frees out-of-window blocks of a sliding-window request without
+    # telling the worker (the ids may already belong to another request):
+    # entries wholly below the first query's window become the null block.
+    rows = [ScheduledRow([7], 100, [[11, 12, 13, 14, 15, 16, 17]]),  # decode at 100, window 32: from 69
+            ScheduledRow([1, 2, 3], 40, [[21, 22, 23, 24]]),  # chunk from 40: window from 9
+            ScheduledRow([5], 10, [[31]])]  # young request: nothing out of window
+    x = build_step_inputs(rows, [16], sliding_windows=[32])
+    assert x.block_tables[0].tolist() == [[0, 0, 0, 0, 15, 16, 17], [21, 22, 23, 24, 0, 0, 0], [31, 0, 0, 0, 0, 0, 0]]
+    assert x.slot_mappings[0].tolist() == [17 * 16 + 4, 23 * 16 + 8, 23 * 16 + 9, 23 * 16 + 10, 31 * 16 + 10]
+    full = build_step_inputs(rows, [16])
+    assert full.block_tables[0][0].tolist() == [11, 12, 13, 14, 15, 16, 17]
+
+
+def test_windowed_attention_never_reads_the_dropped_blocks(rng):
+    # The same attention with the freed blocks' ids kept, or nulled and the
+    # blocks filled with garbage, gives identical results.
+    import mlx.core as mx
+
+    from vllm_metal import ops
+
+    block, window, heads, dim = 16, 32, 2, 64
+    rows = [ScheduledRow([7], 100, [[1, 2, 3, 4, 5, 6, 7]]), ScheduledRow([1, 2, 3], 40, [[8, 9, 10]])]
+    keys = rng.standard_normal((12, block, heads, dim)).astype(np.float32)
+    values = rng.standard_normal((12, block, heads, dim)).astype(np.float32)
+    q = mx.array(rng.standard_normal((4, heads, dim)).astype(np.float32))
+    kept = build_step_inputs(rows, [block])
+    nulled = build_step_inputs(rows, [block], sliding_windows=[window])
+    garbage_k, garbage_v = keys.copy(), values.copy()
+    for blk in (1, 2, 3, 4, 0):  # the blocks dropped from the first row, and the null block
+        garbage_k[blk] = np.nan
+        garbage_v[blk] = np.nan
+
+    def attend(inputs, k, v):
+        return np.array(ops.paged_attention(q, mx.array(k), mx.array(v), mx.array(inputs.block_tables[0]),
+                                            mx.array(inputs.seq_lens), mx.array(inputs.cu_seqlens_q),
+                                            scale=dim ** -0.5, sliding_window=window))
+
+    expected = attend(kept, keys, values)
+    np.testing.assert_array_equal(attend(nulled, keys, values), expected)
+    assert np.isfinite(attend(nulled, garbage_k, garbage_v)).all()
+    np.testing.assert_array_equal(attend(nulled, garbage_k, garbage_v), expected)

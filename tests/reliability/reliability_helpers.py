@@ -26,7 +26,7 @@ from server_helpers import SERVED_NAME, vllm_server  # noqa: E402
 SCALE = max(1, int(os.environ.get("VLLM_METAL_RELIABILITY_SCALE", "1")))
 GOLDEN = json.loads((TESTS / "plugin" / "golden_tokens.json").read_text())
 
-# vLLM 0.32's Prometheus gauge names (vllm/v1/metrics/loggers.py).
+# vLLM 0.33's Prometheus gauge names (unchanged since 0.32) (vllm/v1/metrics/loggers.py).
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"

@@ -61,6 +61,27 @@ class LayerCacheView:
         return None  # masking is inside the paged primitive
 
 
+def check_rope(rope, head_dim: int) -> None:
+    """Refuses a RoPE module that cannot rotate each token of a packed step
+    at its own position: the adapter calls it with one offset per token, and
+    the result must equal rotating each token alone at its integer position
+    (what mlx-lm does). A model that fails this is refused at load, never
+    discovered by a user's request (e.g. mlx-lm's DynamicNTKScalingRoPE,
+    whose base depends on the call's length)."""
+    positions = [3, 17, 1000]
+    x = mx.random.normal((len(positions), 2, 1, head_dim), key=mx.random.key(0))
+    try:
+        packed = rope(x, offset=mx.array(positions, dtype=mx.int32))
+        alone = mx.concatenate([rope(x[i:i + 1], offset=p) for i, p in enumerate(positions)])
+        mx.eval(packed, alone)
+    except Exception as e:  # noqa: BLE001 -- whatever it raises, the answer is "cannot"
+        raise NotImplementedError(f"{type(rope).__name__} cannot take per-token positions "
+                                  f"({type(e).__name__}: {e})") from e
+    if packed.shape != alone.shape or not mx.allclose(packed, alone, rtol=1e-4, atol=1e-4).item():
+        raise NotImplementedError(f"{type(rope).__name__} gives different results for per-token positions "
+                                  "than for each token alone")
+
+
 class PagedAttentionLayer(nn.Module):
     """Wraps one mlx-lm attention module (its weights stay where they are)."""
 

@@ -1,8 +1,8 @@
 """Loads an mlx-lm model directory and prepares it for the paged path.
 
-Any mlx-lm architecture whose attention modules expose q/k/v/o projections,
-RoPE and head counts (llama, mistral, qwen2, qwen3, ... ) is served; others
-get a clear NotImplementedError naming what is missing.
+Families proven against mlx-lm (models/registry.py) are served; any other
+model type, and any model whose attention or RoPE the adapter cannot
+reproduce, gets a clear NotImplementedError naming what is missing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from vllm_metal.models.attention_adapter import PagedAttentionLayer  # noqa: E402
+from vllm_metal.models.attention_adapter import PagedAttentionLayer, check_rope  # noqa: E402
+from vllm_metal.models.registry import check_served  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -68,6 +69,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     except ValueError as e:
         raise NotImplementedError(f"mlx-lm cannot build model type "
                                   f"{_model_type(path)!r}: {e}") from e
+    check_served(config.get("model_type"))
     if dequantize and _has_quantized(model):
         model = dequantize_model(model)
     model.set_dtype(DTYPES[dtype])  # floating parameters only; quantized ints stay
@@ -90,6 +92,18 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     head_dim = first.k_proj.weight.shape[0] // first.n_kv_heads
     if isinstance(first.k_proj, nn.QuantizedLinear):
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    checked = set()
+    for layer in layers:
+        rope = layer.self_attn.inner.rope
+        if id(rope) not in checked:
+            checked.add(id(rope))
+            try:
+                check_rope(rope, head_dim)
+            except NotImplementedError as e:
+                rope_config = config.get("rope_scaling") or config.get("rope_parameters")
+                raise NotImplementedError(
+                    f"model type {config.get('model_type')!r} with rope scaling {rope_config!r} cannot be "
+                    f"served by vllm-metal: {e}") from e
     mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        num_kv_heads=first.n_kv_heads, head_dim=head_dim, sliding_windows=windows,

@@ -1,0 +1,60 @@
+"""vllm_metal/upstream_patches.py: the one run-time change to upstream
+behaviour, checked against the vLLM code that makes it necessary."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from vllm_metal import upstream_patches, versions
+
+
+def test_targets_the_pinned_vllm():
+    assert upstream_patches.UPSTREAM.startswith(f"vllm=={versions.VLLM}:")
+
+
+def test_vllm_shutdown_still_calls_what_the_patch_replaces():
+    # Fails when vLLM changes its shutdown path: re-examine the patch then
+    # (a public platform hook may have appeared, or other calls).
+    from vllm.distributed import parallel_state
+
+    source = inspect.getsource(parallel_state.cleanup_dist_env_and_memory)
+    assert "current_platform.is_cpu()" in source
+    assert "torch.accelerator.empty_cache()" in source
+    assert "torch.accelerator.empty_host_cache()" in source
+    from vllm.platforms.interface import Platform
+
+    assert not any(hasattr(Platform, name) for name in ("empty_cache", "empty_host_cache")), \
+        "vLLM now has a platform hook for the accelerator cache: use it instead of the patch"
+
+
+def _keep_originals(monkeypatch):
+    for name in upstream_patches.TARGETS:
+        monkeypatch.setattr(torch.accelerator, name, getattr(torch.accelerator, name))
+
+
+def test_patch_only_without_an_accelerator(monkeypatch):
+    _keep_originals(monkeypatch)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # e.g. MPS on a Mac
+    before = {n: getattr(torch.accelerator, n) for n in upstream_patches.TARGETS}
+    assert upstream_patches.patch_torch_accelerator() == []
+    assert {n: getattr(torch.accelerator, n) for n in upstream_patches.TARGETS} == before
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert upstream_patches.patch_torch_accelerator() == list(upstream_patches.TARGETS)
+    for name in upstream_patches.TARGETS:
+        assert getattr(torch.accelerator, name)() is None
+
+
+def test_cleanup_runs_with_the_patch(monkeypatch):
+    # vLLM's own shutdown cleanup, on this platform, with the patch: no error.
+    _keep_originals(monkeypatch)
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    from vllm.distributed import parallel_state
+
+    if torch.accelerator.is_available():
+        pytest.skip("torch has an accelerator here: nothing is patched")
+    upstream_patches.patch_torch_accelerator()
+    parallel_state.cleanup_dist_env_and_memory()

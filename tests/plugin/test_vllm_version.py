@@ -1,0 +1,111 @@
+"""The supported vLLM range is declared once (vllm_metal/versions.py) and
+enforced when vLLM loads the platform; the set-up's dependency list stays in
+step with the installed vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from vllm_metal import versions
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_installed_versions_are_the_pinned_ones():
+    assert metadata.version("vllm") == versions.VLLM
+    assert versions.vllm_supported(metadata.version("vllm"))
+    assert metadata.version("mlx") == versions.MLX
+    assert metadata.version("mlx-lm") == versions.MLX_LM
+    assert metadata.version("torch").split("+")[0] == versions.TORCH
+
+
+@pytest.mark.parametrize("version,ok", [("0.33.0", True), ("0.33.7", True), ("0.33.1rc1+cu130", True),
+                                        ("0.32.0", False), ("0.34.0", False), ("1.0.0", False),
+                                        ("nonsense", False)])
+def test_range(version, ok):
+    assert versions.vllm_supported(version) is ok if version != "nonsense" else True
+    if ok:
+        versions.check_vllm(version)
+    else:
+        with pytest.raises(versions.UnsupportedVersionError, match=r"supports vLLM >=0\.33\.0,<0\.34\.0, but "
+                           rf"vLLM {version} is installed"):
+            versions.check_vllm(version)
+
+
+@pytest.mark.parametrize("fake", ["0.32.0", "0.34.0"])
+def test_unsupported_vllm_is_refused_when_vllm_loads_the_platform(fake):
+    # A fresh interpreter where vLLM reports another version: resolving the
+    # current platform (what every vLLM entry point does first) fails with
+    # the one message naming the supported range.
+    code = (f"import vllm; vllm.__version__ = {fake!r}\n"
+            "from vllm.platforms import current_platform\n"
+            "print(current_platform.device_name)\n")
+    env = dict(os.environ, VLLM_METAL_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "UnsupportedVersionError" in last and f"vLLM {fake} is installed" in last, out.stderr[-2000:]
+    assert "supports vLLM >=0.33.0,<0.34.0" in last
+
+
+def test_supported_vllm_loads_the_platform():
+    code = "from vllm.platforms import current_platform\nprint(current_platform.device_name)\n"
+    env = dict(os.environ, VLLM_METAL_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "mlx", out.stderr[-2000:]
+
+
+def test_setup_dependency_list_matches_installed_vllm():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import vllm_requirements as vr
+    finally:
+        sys.path.pop(0)
+    keep, skipped = vr.requirements()
+    names = {vr._name(line) for line in metadata.requires("vllm") or []}
+    # Every skip / relax entry still names a requirement of this vLLM (an
+    # upgrade that drops one must drop it here too) ...
+    assert set(vr.SKIPPED) <= names, set(vr.SKIPPED) - names
+    assert set(vr.RELAXED) <= names
+    # ... and every kept requirement is installed.
+    from packaging.requirements import Requirement
+
+    missing = []
+    for line in keep:
+        req = Requirement(line)
+        try:
+            installed = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(line)
+            continue
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            missing.append(f"{line} (installed {installed})")
+    assert not missing, missing
+    # No CUDA kernel package sneaked in through another dependency.
+    for name in ("flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "humming-kernels"):
+        with pytest.raises(metadata.PackageNotFoundError):
+            metadata.version(name)
+
+
+def test_nothing_skipped_is_imported_when_serving():
+    # An in-process generation imports none of the packages the set-up leaves out.
+    code = ("import os, sys\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
+            "from vllm_metal.default_model import ensure_default_model\n"
+            "from vllm import LLM, SamplingParams\n"
+            "llm = LLM(ensure_default_model(), max_model_len=256, kv_cache_memory_bytes=64 << 20)\n"
+            "llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules}))\n")
+    env = dict(os.environ, VLLM_METAL_DEVICE="cpu", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    modules = set(eval(out.stdout.strip().splitlines()[-1]))
+    imported = {"flashinfer", "tilelang", "cutlass", "quack", "tokenspeed_mla", "humming_kernels",
+                "PyNvVideoCodec", "fastsafetensors", "instanttensor", "torchvision", "torchaudio",
+                "torchcodec"} & modules
+    assert not imported, imported
