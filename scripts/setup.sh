@@ -52,6 +52,8 @@ if [[ "$MODE" != "--core" ]]; then
     # leaves out CUDA kernel packages and media towers, and says why).
     "${PIP[@]}" --no-deps "vllm==$(pin vllm)"
     "$VPY" scripts/vllm_requirements.py >.venv/vllm-requirements.txt
+    echo "note: pip may list vLLM's CUDA-only requirements as not installed: they are left out on" \
+         "purpose (see: .venv/bin/python scripts/vllm_requirements.py --check)"
     "${PIP[@]}" "torch==$(pin torch)" -r .venv/vllm-requirements.txt "${serve[@]}" "mlx-cpu==$(pin mlx-cpu)"
   else
     # macOS: vLLM publishes no wheel; pip builds its CPU sdist.

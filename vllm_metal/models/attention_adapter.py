@@ -18,9 +18,6 @@ import numpy as np
 
 from vllm_metal import ops
 
-# Attributes an mlx-lm attention module must have for the paged path.
-REQUIRED_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-
 
 @dataclass
 class StepAttentionInputs:
@@ -82,41 +79,108 @@ def check_rope(rope, head_dim: int) -> None:
                                   "than for each token alone")
 
 
+def _first(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if getattr(module, n, None) is not None), None)
+
+
+# What mlx-lm families call each piece (first match wins).
+ALIASES = {
+    "n_heads": ("n_heads", "num_heads", "num_attention_heads"),
+    "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "num_kv_heads"),
+    "o_proj": ("o_proj", "dense"),
+    "scale": ("scale", "sm_scale", "softmax_scale"),
+    "q_norm": ("q_norm", "q_layernorm"),  # before RoPE (stablelm's name)
+    "k_norm": ("k_norm", "k_layernorm"),
+}
+
+
 class PagedAttentionLayer(nn.Module):
-    """Wraps one mlx-lm attention module (its weights stay where they are)."""
+    """Wraps one mlx-lm attention module (its weights stay where they are),
+    taking from it exactly what its own attention does: projections (and
+    their biases), q/k norms per head or over the projection, before RoPE or
+    after it, its RoPE (or none on NoPE layers), scale and logit softcap."""
 
     def __init__(self, inner: nn.Module, sliding_window: int | None = None):
         super().__init__()
-        missing = [a for a in REQUIRED_ATTRIBUTES if not hasattr(inner, a)]
+        names = {key: _first(inner, options) for key, options in ALIASES.items()}
+        missing = [a for a in ("q_proj", "k_proj", "v_proj") if getattr(inner, a, None) is None]
+        missing += [key for key in ("o_proj", "n_heads", "n_kv_heads") if names[key] is None]
         if missing:
             raise NotImplementedError(
                 f"attention module {type(inner).__module__}.{type(inner).__name__} lacks "
                 f"{', '.join(missing)}: its architecture does not fit the paged attention path")
         self.inner = inner
         self.sliding_window = sliding_window
+        self._names = names
+        self.n_heads = int(getattr(inner, names["n_heads"]))
+        self.num_kv_heads = int(getattr(inner, names["n_kv_heads"]))
+        self.head_dim = int(getattr(inner, "head_dim", None) or inner.q_proj.weight.shape[0] // self.n_heads)
+        self.scale = float(getattr(inner, names["scale"])) if names["scale"] else self.head_dim ** -0.5
+        # gemma2's attention logit softcap: tanh(s / c) * c on the scaled
+        # scores, as the primitive's `softcap` does.
+        self.softcap = getattr(inner, "attn_logit_softcapping", None)
+        # NoPE layers: exaone4's global layers have no `rope`; cohere2 keeps a
+        # `rope` but applies it on its sliding layers only.
+        rope = getattr(inner, "rope", None)
+        if getattr(inner, "use_sliding_window", True) is False:
+            rope = None
+        if rope is None and getattr(inner, "use_rope", None) is None \
+                and not hasattr(inner, "use_sliding_window"):
+            raise NotImplementedError(f"attention module {type(inner).__name__} has no rope and does not say "
+                                      "it is a NoPE layer")
+        self.uses_rope = rope is not None
+        # q/k norms: per head (qwen3, gemma3) or over the whole projection
+        # before the heads are split (olmo2, olmoe): told apart by the norm's size.
+        norm = getattr(inner, names["q_norm"]) if names["q_norm"] else None
+        width = getattr(norm, "weight", None)
+        self.qk_norm = None if norm is None else (
+            "projection" if width is not None and width.shape[-1] == self.n_heads * self.head_dim
+            and self.n_heads > 1 else "head")
+
+    def __getattr__(self, key: str):
+        # The decoder block may read its attention's own attributes (exaone4's
+        # `is_local` picks the mask): answer for the wrapped module.
+        value = self.get(key, None)
+        if value is not None:
+            return value
+        inner = self.get("inner", None)
+        if inner is None:
+            raise AttributeError(key)
+        return getattr(inner, key)
+
+    def rope(self):
+        """The RoPE module this layer applies, or None (NoPE)."""
+        return getattr(self.inner, "rope", None) if self.uses_rope else None
 
     def __call__(self, x: mx.array, mask=None, cache: LayerCacheView | None = None) -> mx.array:
-        a = self.inner
+        a, names = self.inner, self._names
         store, step = cache.store, cache.store.step
         n = x.shape[1]
         x = x.reshape(n, -1)
-        q = a.q_proj(x).reshape(n, a.n_heads, -1)
-        k = a.k_proj(x).reshape(n, a.n_kv_heads, -1)
-        v = a.v_proj(x).reshape(n, a.n_kv_heads, -1)
-        if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
-        # RoPE over a length-1 axis with one offset per token = each token at
-        # its own position, whatever sequence it belongs to.
-        q = a.rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :]
-        k = a.rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :]
+        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        if self.qk_norm == "projection":
+            q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
+        q = q.reshape(n, self.n_heads, -1)
+        k = k.reshape(n, self.num_kv_heads, -1)
+        v = v.reshape(n, self.num_kv_heads, -1)
+        if self.qk_norm == "head":
+            q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
+        if self.uses_rope:
+            # RoPE over a length-1 axis with one offset per token = each token
+            # at its own position, whatever sequence it belongs to.
+            q = a.rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :]
+            k = a.rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :]
+        if hasattr(a, "query_layernorm"):  # hunyuan_v1_dense: per-head norms after RoPE
+            q, k = a.query_layernorm(q), a.key_layernorm(k)
 
         layer, group = cache.layer, store.layer_group[cache.layer]
         kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
                               v.astype(store.values[layer].dtype), step.slot_mappings[group])
         store.keys[layer], store.values[layer] = kc, vc
         out = ops.paged_attention(q.astype(kc.dtype), kc, vc, step.block_tables[group], step.seq_lens,
-                                  step.cu_seqlens_q, scale=a.scale, sliding_window=self.sliding_window)
-        out = a.o_proj(out.reshape(1, n, -1).astype(x.dtype))
+                                  step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window,
+                                  softcap=self.softcap)
+        out = getattr(a, names["o_proj"])(out.reshape(1, n, -1).astype(x.dtype))
         if store.after_layer is not None:
             store.after_layer(out, kc, vc)
         return out

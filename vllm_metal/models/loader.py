@@ -39,12 +39,33 @@ class LoadedModel:
         return self.model.model(token_ids[None], cache=cache_views)[0]
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Final hidden rows -> float32 logits [rows, vocab] (lazy)."""
-        if getattr(self.model, "lm_head", None) is not None:
-            out = self.model.lm_head(hidden)
-        else:
-            out = self.model.model.embed_tokens.as_linear(hidden)
-        return out.astype(mx.float32)
+        """Final hidden rows -> float32 logits [rows, vocab] (lazy), through
+        the model's own output head: mlx-lm's `Model.__call__` runs with its
+        inner model standing in as "these hidden rows", so whatever the family
+        does after the decoder (tied or separate head, final logit softcap,
+        logit_scale, logits_scaling) is mlx-lm's code, never re-implemented."""
+        inner = self.model.model
+        self.model["model"] = _HiddenRows(inner, hidden[None])
+        try:
+            out = self.model(mx.zeros((1, hidden.shape[0]), dtype=mx.int32))
+        finally:
+            self.model["model"] = inner
+        return out[0].astype(mx.float32)
+
+
+class _HiddenRows:
+    """Stands in for an mlx-lm model's inner decoder for one call: returns
+    the given hidden states, and passes every attribute (embed_tokens for a
+    tied head, ...) through to the real decoder."""
+
+    def __init__(self, inner: nn.Module, hidden: mx.array):
+        self._inner, self._hidden = inner, hidden
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return self._hidden
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _has_quantized(model: nn.Module) -> bool:
@@ -85,17 +106,15 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
         if attn is None:
             raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "
                                       "self_attn (not a plain attention decoder)")
-        window = config.get("sliding_window") if getattr(layer, "use_sliding", False) else None
+        window = sliding_window_of(model, layer, attn, config)
         layer.self_attn = PagedAttentionLayer(attn, window)
         windows.append(window)
-    first = layers[0].self_attn.inner
-    head_dim = first.k_proj.weight.shape[0] // first.n_kv_heads
-    if isinstance(first.k_proj, nn.QuantizedLinear):
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    first = layers[0].self_attn
+    head_dim = first.inner.k_proj.weight.shape[0] // first.num_kv_heads  # output rows, quantized or not
     checked = set()
     for layer in layers:
-        rope = layer.self_attn.inner.rope
-        if id(rope) not in checked:
+        rope = layer.self_attn.rope()
+        if rope is not None and id(rope) not in checked:
             checked.add(id(rope))
             try:
                 check_rope(rope, head_dim)
@@ -106,8 +125,27 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                     f"served by vllm-metal: {e}") from e
     mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
-                       num_kv_heads=first.n_kv_heads, head_dim=head_dim, sliding_windows=windows,
+                       num_kv_heads=first.num_kv_heads, head_dim=head_dim, sliding_windows=windows,
                        quantized=_has_quantized(model))
+
+
+def sliding_window_of(model: nn.Module, layer: nn.Module, attn: nn.Module, config: dict) -> int | None:
+    """The layer's attention window as mlx-lm builds it, or None (full
+    attention). mlx-lm declares it on the block (`use_sliding`: llama,
+    ministral) or on the attention module (`is_sliding`: gemma3,
+    `use_sliding_window`: cohere2, `is_local`: exaone4); the size is
+    the model's parsed `sliding_window`, whose defaults the raw config may not
+    carry (gemma3's 512)."""
+    sliding = getattr(layer, "use_sliding", None)
+    for name in ("is_sliding", "use_sliding_window", "is_local"):  # gemma3, cohere2, exaone4
+        if sliding is None:
+            sliding = getattr(attn, name, None)
+    if not sliding:
+        return None
+    window = getattr(getattr(model, "args", None), "sliding_window", None) or config.get("sliding_window")
+    if not window:
+        raise NotImplementedError(f"model type {config.get('model_type')!r}: a sliding layer without a window size")
+    return int(window)
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -1,0 +1,147 @@
+"""Tiny random-weight models of mlx-lm families, and the reference they are
+checked against (tests/plugin/test_family_parity.py).
+
+Each model is built by mlx-lm's own `ModelArgs`/`Model` for its model_type
+(2-3 layers, hidden 64, the embedded tokenizer's 49,152-token vocabulary),
+with weights drawn so its logits are peaked (greedy decoding well defined)
+and saved as an HF-style directory: config.json (the HF field names, which
+mlx-lm's ModelArgs reads too, plus `architectures` for vLLM), safetensors, the
+embedded model's tokenizer. Family features are switched on with values that
+matter (logit scales, softcaps, windows shorter than the prompts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+DROP = object()  # an override that removes a COMMON field
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
+              max_position_embeddings=4096, tie_word_embeddings=False)
+
+# model_type -> (HF architecture, config overrides). Only families in
+# vllm_metal.models.registry.SERVED appear here, and every served family must.
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaForCausalLM", dict(num_hidden_layers=3, sliding_window=24,
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "mistral": ("MistralForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2ForCausalLM", dict(head_dim=DROP)),
+    "qwen3": ("Qwen3ForCausalLM", dict()),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(head_dim=DROP, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                                              mlp_only_layers=[], moe_intermediate_size=32, norm_topk_prob=True)),
+    "gemma": ("GemmaForCausalLM", dict()),
+    "gemma2": ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=6.0)),
+    "gemma3_text": ("Gemma3ForCausalLM", dict(num_hidden_layers=3, sliding_window=24, sliding_window_pattern=3,
+                                              query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+                                              rope_scaling=None)),
+    "starcoder2": ("Starcoder2ForCausalLM", dict(head_dim=DROP, norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "glm4": ("Glm4ForCausalLM", dict(attention_bias=True, partial_rotary_factor=0.5)),
+    "seed_oss": ("SeedOssForCausalLM", dict(attention_bias=True)),
+    "ernie4_5": ("Ernie4_5ForCausalLM", dict(use_bias=False)),
+    "helium": ("HeliumForCausalLM", dict(attention_bias=False, mlp_bias=False)),
+    "smollm3": ("SmolLM3ForCausalLM", dict(num_hidden_layers=3, no_rope_layer_interval=2)),
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(moe_intermediate_size=32, norm_topk_prob=True, n_group=1, topk_group=1,
+                                            n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.5,
+                                            num_experts_per_tok=2, first_k_dense_replace=1, use_qk_norm=True,
+                                            attention_bias=True, partial_rotary_factor=0.5, rope_scaling=None)),
+    "olmo2": ("Olmo2ForCausalLM", dict()),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", dict(use_qk_norm=True)),
+    "mixtral": ("MixtralForCausalLM", dict(head_dim=DROP, num_local_experts=4, num_experts_per_tok=2)),
+    "stablelm": ("StableLmForCausalLM", dict(head_dim=DROP, use_qkv_bias=True, partial_rotary_factor=0.5,
+                                             layer_norm_eps=1e-5, qk_layernorm=True)),
+    "phi": ("PhiForCausalLM", dict(head_dim=DROP, num_key_value_heads=4, partial_rotary_factor=0.5,
+                                   layer_norm_eps=1e-5)),
+    "cohere2": ("Cohere2ForCausalLM", dict(num_hidden_layers=4, layer_norm_eps=1e-5, logit_scale=0.5,
+                                           sliding_window=24, sliding_window_pattern=2, tie_word_embeddings=True)),
+    "exaone4": ("Exaone4ForCausalLM", dict(num_hidden_layers=4, rope_scaling=None, sliding_window=24,
+                                           sliding_window_pattern="LLLG",
+                                           layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    "cohere": ("CohereForCausalLM", dict(head_dim=DROP, layer_norm_eps=1e-5, logit_scale=0.25,
+                                         tie_word_embeddings=True)),
+    "granite": ("GraniteForCausalLM", dict(head_dim=DROP, logits_scaling=4.0, attention_multiplier=0.2,
+                                           embedding_multiplier=6.0, residual_multiplier=0.5,
+                                           attention_bias=False, mlp_bias=False)),
+    "granitemoe": ("GraniteMoeForCausalLM", dict(head_dim=DROP, logits_scaling=4.0, attention_multiplier=0.2,
+                                                 embedding_multiplier=6.0, residual_multiplier=0.5,
+                                                 attention_bias=False, num_local_experts=4,
+                                                 num_experts_per_tok=2)),
+}
+
+
+def config_of(model_type: str) -> dict:
+    arch, overrides = FAMILIES[model_type]
+    config = {**COMMON, **overrides, "model_type": model_type, "architectures": [arch], "torch_dtype": "float32"}
+    return {k: v for k, v in config.items() if v is not DROP}
+
+
+def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: int | None = None) -> str:
+    """Writes the tiny `model_type` model to `out`; returns its path. With
+    `bits`, MLX-quantized as `mlx_lm.convert -q` writes it (group size 32,
+    `quantization` and `quantization_config` in config.json)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes
+
+    config = config_of(model_type)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, value in tree_flatten(model.parameters()):
+        if value.ndim >= 2:  # matrices (and expert stacks): unit-variance activations
+            fan_in = value.shape[-1]
+            w = rng.standard_normal(value.shape) / np.sqrt(fan_in)
+            if "embed_tokens" in name or "lm_head" in name:
+                w *= 4.0  # peaked logits: greedy well defined, logprobs far from uniform
+            params[name] = mx.array(w.astype(np.float32))
+        else:  # norms and biases: near their defaults, not exactly
+            params[name] = value + mx.array(0.05 * rng.standard_normal(value.shape).astype(np.float32))
+    model.update(tree_unflatten(list(params.items())))
+    if bits is not None:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=32, bits=bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+        config["quantization"] = config["quantization_config"] = {"group_size": 32, "bits": bits}
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return str(out)
+
+
+def reference_logprobs(model_dir: str):
+    """tokens -> float64 log-softmax rows of mlx-lm's own forward, float32
+    weights (row i predicts token i + 1). MLX's float32 logsumexp on the CPU
+    is off by ~1e-4, so the normalisation is numpy float64."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir))
+    model.set_dtype(mx.float32)
+
+    def logprobs(tokens):
+        logits = np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+
+    return logprobs
+
+
+def module_of(model_type: str):
+    return importlib.import_module(f"mlx_lm.models.{model_type}")
