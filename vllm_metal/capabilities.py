@@ -138,3 +138,31 @@ def short_report(device: str) -> str:
             f"BLAS: {blas}; {sum(p.on_request == 'warn' for p in CUDA_PATHS)} CUDA-only paths inert, "
             f"{sum(p.on_request == 'error' for p in CUDA_PATHS)} refused if asked for "
             "(`vllm-metal doctor` lists them)")
+
+
+def model_check(model_dir: str) -> dict:
+    """Whether `vllm serve MODEL_DIR` would be served, decided by the same
+    load-time checks (family registry, mlx-lm build, attention adapter, RoPE
+    probe) without reading the weights."""
+    import json
+    from pathlib import Path
+
+    from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+    from vllm_metal.models.loader import load_model
+
+    result = {"path": str(model_dir), "model_type": None, "served": False, "reason": ""}
+    try:
+        result["model_type"] = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        result["reason"] = f"no readable config.json: {e}"
+        return result
+    try:
+        m = load_model(model_dir, materialize=False)
+    except Exception as e:  # noqa: BLE001 -- the answer is the message
+        result["reason"] = f"{type(e).__name__}: {e}"
+        return result
+    windows = sorted({w for w in m.sliding_windows if w})
+    result.update(served=True, reason=f"{m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim}"
+                  + (f", sliding windows {windows}" if windows else "")
+                  + (", MLX-quantized" if m.quantized else ""))
+    return result

@@ -46,10 +46,21 @@ def format_report(r: dict) -> str:
 
 
 def doctor(args) -> int:
-    from vllm_metal.capabilities import capabilities
+    from vllm_metal.capabilities import capabilities, model_check
 
     report = capabilities()
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.model:
+        report["model"] = model_check(args.model)
+        if not report["model"]["served"]:
+            report["can_serve"] = False
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.model:
+            m = report["model"]
+            print(f"model       {m['path']} ({m['model_type']}): "
+                  + ("will be served: " if m["served"] else "refused: ") + m["reason"])
     return 0 if report["can_serve"] else 1
 
 
@@ -58,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="report what runs on this machine and what is inert")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    d.add_argument("--model", metavar="DIR", help="also say whether this model directory will be served "
+                   "(the load-time checks, without reading the weights)")
     d.set_defaults(func=doctor)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -139,21 +139,37 @@ def test_warm_up_failure_stops_start_up_with_the_model_named(model_dir, monkeypa
 
 
 def test_unproven_family_is_refused_not_served_wrong(model_dir, tmp_path):
-    # phi3 loads in mlx-lm, but its packed qkv_proj is outside the paged
-    # adapter, and no parity test proves it: refused, with the family named.
+    # minicpm loads in mlx-lm and its attention fits the adapter, but no
+    # parity test proves it (vLLM cannot read its config offline): refused,
+    # with the family named.
     from mlx.utils import tree_flatten
-    from mlx_lm.models import phi3
+    from mlx_lm.models import minicpm
 
     from vllm_metal.models.registry import SERVED, UnservedModelError
 
-    args = dict(model_type="phi3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=49152, num_key_value_heads=2)
-    out = tmp_path / "phi3"
+    args = dict(model_type="minicpm", hidden_size=64, dim_model_base=32, num_hidden_layers=2, intermediate_size=128,
+                num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=49152, num_key_value_heads=2, scale_depth=1.4,
+                scale_emb=6.0)
+    out = tmp_path / "minicpm"
     out.mkdir()
-    model = phi3.Model(phi3.ModelArgs(**args))
+    model = minicpm.Model(minicpm.ModelArgs(**args))
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps({**args, "architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(UnservedModelError, match=r"model type 'phi3' is not served by vllm-metal yet.*"
+    (out / "config.json").write_text(json.dumps({**args, "architectures": ["MiniCPMForCausalLM"]}))
+    with pytest.raises(UnservedModelError, match=r"model type 'minicpm' is not served by vllm-metal yet.*"
                                                  r"Served: cohere, .*llama, .*qwen3"):
         load_model(out)
-    assert "phi3" not in SERVED
+    assert "minicpm" not in SERVED
+
+
+def test_doctor_says_up_front_whether_a_model_is_served(model_dir, weights, tmp_path, capsys):
+    from vllm_metal import cli
+
+    assert cli.main(["doctor", "--model", model_dir]) == 0
+    assert "(llama): will be served: 30 layers, 3 KV heads of 64" in capsys.readouterr().out
+    variant = _with_rope_scaling(model_dir, tmp_path, weights, {"type": "dynamic", "factor": 2.0})
+    assert cli.main(["doctor", "--model", str(variant)]) == 1
+    out = capsys.readouterr().out
+    assert "(llama): refused: " in out and "DynamicNTKScalingRoPE" in out
+    (variant / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    assert cli.main(["doctor", "--model", str(variant)]) == 1
+    assert "(gpt_oss): refused: " in capsys.readouterr().out

@@ -96,14 +96,17 @@ ALIASES = {
 
 class PagedAttentionLayer(nn.Module):
     """Wraps one mlx-lm attention module (its weights stay where they are),
-    taking from it exactly what its own attention does: projections (and
-    their biases), q/k norms per head or over the projection, before RoPE or
+    taking from it exactly what its own attention does: projections (separate
+    or packed, with their biases), q/k norms per head or over the projection, before RoPE or
     after it, its RoPE (or none on NoPE layers), scale and logit softcap."""
 
     def __init__(self, inner: nn.Module, sliding_window: int | None = None):
         super().__init__()
         names = {key: _first(inner, options) for key, options in ALIASES.items()}
-        missing = [a for a in ("q_proj", "k_proj", "v_proj") if getattr(inner, a, None) is None]
+        # phi3 packs q, k and v into one projection (split [H*D, KV*D, KV*D]).
+        self.packed_qkv = getattr(inner, "q_proj", None) is None and getattr(inner, "qkv_proj", None) is not None
+        missing = [] if self.packed_qkv else [a for a in ("q_proj", "k_proj", "v_proj")
+                                              if getattr(inner, a, None) is None]
         missing += [key for key in ("o_proj", "n_heads", "n_kv_heads") if names[key] is None]
         if missing:
             raise NotImplementedError(
@@ -114,7 +117,13 @@ class PagedAttentionLayer(nn.Module):
         self._names = names
         self.n_heads = int(getattr(inner, names["n_heads"]))
         self.num_kv_heads = int(getattr(inner, names["n_kv_heads"]))
-        self.head_dim = int(getattr(inner, "head_dim", None) or inner.q_proj.weight.shape[0] // self.n_heads)
+        q_rows = inner.qkv_proj.weight.shape[0] if self.packed_qkv else inner.q_proj.weight.shape[0]
+        self.head_dim = int(getattr(inner, "head_dim", None) or q_rows // self.n_heads)
+        if self.packed_qkv and q_rows != (self.n_heads + 2 * self.num_kv_heads) * self.head_dim:
+            raise NotImplementedError(f"{type(inner).__name__}: a packed qkv_proj of {q_rows} rows does not split "
+                                      f"into {self.n_heads} + 2 x {self.num_kv_heads} heads of {self.head_dim}")
+        # The K/V cache's head size (K's output rows per KV head).
+        self.kv_head_dim = self.head_dim if self.packed_qkv else inner.k_proj.weight.shape[0] // self.num_kv_heads
         self.scale = float(getattr(inner, names["scale"])) if names["scale"] else self.head_dim ** -0.5
         # gemma2's attention logit softcap: tanh(s / c) * c on the scaled
         # scores, as the primitive's `softcap` does.
@@ -157,7 +166,11 @@ class PagedAttentionLayer(nn.Module):
         store, step = cache.store, cache.store.step
         n = x.shape[1]
         x = x.reshape(n, -1)
-        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        if self.packed_qkv:
+            q_end = self.n_heads * self.head_dim
+            q, k, v = mx.split(a.qkv_proj(x), [q_end, q_end + self.num_kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
         if self.qk_norm == "projection":
             q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
         q = q.reshape(n, self.n_heads, -1)

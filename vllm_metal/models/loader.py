@@ -72,12 +72,14 @@ def _has_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False) -> LoadedModel:
+def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
+               materialize: bool = True) -> LoadedModel:
     """Load `model_dir` (an mlx-lm directory) for the paged path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
     MLX-quantized weights to `dtype` (MLX's CPU quantized matmul is far slower
-    than BLAS, so the CPU device wants this; Metal does not).
+    than BLAS, so the CPU device wants this; Metal does not). materialize=False
+    leaves the weights on disk (every check still runs: `vllm-metal doctor --model`).
     """
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -86,7 +88,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     path = resolve_model_dir(str(model_dir))
     try:
-        model, config = mlx_lm_load_model(path)
+        model, config = mlx_lm_load_model(path, lazy=not materialize)
     except ValueError as e:
         raise NotImplementedError(f"mlx-lm cannot build model type "
                                   f"{_model_type(path)!r}: {e}") from e
@@ -106,11 +108,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
         if attn is None:
             raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "
                                       "self_attn (not a plain attention decoder)")
-        window = sliding_window_of(model, layer, attn, config)
+        window = sliding_window_of(model, i, layer, attn, config)
         layer.self_attn = PagedAttentionLayer(attn, window)
         windows.append(window)
     first = layers[0].self_attn
-    head_dim = first.inner.k_proj.weight.shape[0] // first.num_kv_heads  # output rows, quantized or not
+    head_dim = first.kv_head_dim
     checked = set()
     for layer in layers:
         rope = layer.self_attn.rope()
@@ -123,26 +125,32 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                 raise NotImplementedError(
                     f"model type {config.get('model_type')!r} with rope scaling {rope_config!r} cannot be "
                     f"served by vllm-metal: {e}") from e
-    mx.eval(model.parameters())
+    if materialize:
+        mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        num_kv_heads=first.num_kv_heads, head_dim=head_dim, sliding_windows=windows,
                        quantized=_has_quantized(model))
 
 
-def sliding_window_of(model: nn.Module, layer: nn.Module, attn: nn.Module, config: dict) -> int | None:
+def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.Module, config: dict) -> int | None:
     """The layer's attention window as mlx-lm builds it, or None (full
     attention). mlx-lm declares it on the block (`use_sliding`: llama,
     ministral) or on the attention module (`is_sliding`: gemma3,
-    `use_sliding_window`: cohere2, `is_local`: exaone4); the size is
+    `use_sliding_window`: cohere2, `is_local`: exaone4), or only in the
+    model's parsed `layer_types` (olmo3); the size is
     the model's parsed `sliding_window`, whose defaults the raw config may not
     carry (gemma3's 512)."""
     sliding = getattr(layer, "use_sliding", None)
     for name in ("is_sliding", "use_sliding_window", "is_local"):  # gemma3, cohere2, exaone4
         if sliding is None:
             sliding = getattr(attn, name, None)
+    args = getattr(model, "args", None)
+    layer_types = getattr(args, "layer_types", None)
+    if sliding is None and layer_types:  # olmo3: only the model's parsed layer_types say it
+        sliding = layer_types[index] == "sliding_attention"
     if not sliding:
         return None
-    window = getattr(getattr(model, "args", None), "sliding_window", None) or config.get("sliding_window")
+    window = getattr(args, "sliding_window", None) or config.get("sliding_window")
     if not window:
         raise NotImplementedError(f"model type {config.get('model_type')!r}: a sliding layer without a window size")
     return int(window)

@@ -40,6 +40,9 @@ SERVED: dict[str, str] = {
     "cohere2": "sliding windows on the attention module (use_sliding_window), RoPE only on sliding layers "
                "(NoPE global layers), logit_scale",
     "exaone4": "local/global layer pattern (is_local), global layers without RoPE, q/k norms",
+    "phi3": "packed qkv_proj, partial rotary, longrope (SuScaledRoPE) scaling",
+    "olmo3": "windows declared only in the model's layer_types, RoPE differing between sliding and full "
+             "layers, q/k norms over the whole projection",
     "cohere": "logit_scale (the model's own head)",
     "granite": "logits_scaling, attention / embedding / residual multipliers",
     "granitemoe": "logits_scaling, multipliers, mlx-lm's switch MoE",
