@@ -38,9 +38,11 @@ def generate(llm, prompts, prompt_logprobs=None):
 
 
 # MLX 4-bit checkpoints (as mlx_lm.convert -q writes them): a dense family,
-# MoE switch layers, a scaled head. On MLX's CPU device the weights are
-# expanded at load; the reference is mlx-lm's quantized forward.
-QUANTIZED = ["llama", "qwen3_moe", "granite"]
+# MoE switch layers (qwen3_moe, olmoe), scaled and softcapped heads on
+# quantized embeddings (granite, gemma2, cohere2), a packed quantized qkv
+# (phi3). On MLX's CPU device the weights are expanded at load; the
+# reference is mlx-lm's quantized forward.
+QUANTIZED = ["llama", "qwen3_moe", "granite", "gemma2", "phi3", "olmoe", "cohere2"]
 
 
 @pytest.mark.parametrize("model_type,bits", [(t, None) for t in sorted(FAMILIES)] + [(t, 4) for t in QUANTIZED])
