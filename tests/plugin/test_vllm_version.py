@@ -29,7 +29,6 @@ def test_installed_versions_are_the_pinned_ones():
                                         ("0.32.0", False), ("0.34.0", False), ("1.0.0", False),
                                         ("nonsense", False)])
 def test_range(version, ok):
-    assert versions.vllm_supported(version) is ok if version != "nonsense" else True
     if ok:
         versions.check_vllm(version)
     else:
