@@ -29,6 +29,8 @@ NB_MODULE(_ext, m) {
       "scale"_a,
       "sliding_window"_a = nb::none(),
       "softcap"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "v_head_dim"_a = nb::none(),
       "stream"_a = nb::none(),
       "Lazy paged attention over packed varlen queries (see vllm_metal.ops).");
 
@@ -55,5 +57,6 @@ NB_MODULE(_ext, m) {
 #else
   m.attr("HAS_METAL") = false;
 #endif
-  m.attr("MAX_HEAD_DIM") = vllm_metal::kMaxHeadDim;
+  m.attr("MAX_HEAD_DIM") = vllm_metal::kMaxHeadDim;  // keys (and q)
+  m.attr("MAX_V_HEAD_DIM") = vllm_metal::kMaxVHeadDim;
 }

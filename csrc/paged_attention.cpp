@@ -14,6 +14,10 @@ bool is_supported_head_dim(int head_dim) {
   return head_dim >= 1 && head_dim <= kMaxHeadDim;
 }
 
+bool is_supported_v_head_dim(int v_head_dim) {
+  return v_head_dim >= 1 && v_head_dim <= kMaxVHeadDim;
+}
+
 bool is_supported_block_size(int block_size) {
   return block_size == 8 || block_size == 16 || block_size == 32 ||
       block_size == 64 || block_size == 128;
@@ -64,12 +68,14 @@ mx::array paged_attention(
     float scale,
     std::optional<int> sliding_window,
     std::optional<float> softcap,
+    const std::optional<mx::array>& sinks,
+    std::optional<int> v_head_dim,
     mx::StreamOrDevice s) {
   check_rank(q, "q", 3, "[num_tokens, num_heads, head_dim]");
   check_rank(key_cache, "key_cache", 4,
              "[num_blocks, block_size, num_kv_heads, head_dim]");
   check_rank(value_cache, "value_cache", 4,
-             "[num_blocks, block_size, num_kv_heads, head_dim]");
+             "[num_blocks, block_size, num_kv_heads, >= v_head_dim]");
   check_rank(block_tables, "block_tables", 2, "[num_seqs, max_blocks_per_seq]");
   check_rank(seq_lens, "seq_lens", 1, "[num_seqs]");
   check_rank(cu_seqlens_q, "cu_seqlens_q", 1, "[num_seqs + 1]");
@@ -92,15 +98,24 @@ mx::array paged_attention(
   check_int32(seq_lens, "seq_lens");
   check_int32(cu_seqlens_q, "cu_seqlens_q");
 
-  if (key_cache.shape() != value_cache.shape()) {
-    fail("key_cache shape " + shape_str(key_cache) +
-         " differs from value_cache shape " + shape_str(value_cache));
+  // The caches agree on everything but the row size: values may be a prefix
+  // of a wider row (latent attention keeps one cache for both).
+  const char* axis_names[] = {"num_blocks", "block_size", "num_kv_heads"};
+  for (int axis = 0; axis < 3; ++axis) {
+    if (key_cache.shape(axis) != value_cache.shape(axis)) {
+      std::ostringstream os;
+      os << "key_cache shape " << shape_str(key_cache) << " differs from value_cache shape "
+         << shape_str(value_cache) << " in " << axis_names[axis] << " (" << key_cache.shape(axis)
+         << " vs " << value_cache.shape(axis) << "); only the last axis may differ";
+      fail(os.str());
+    }
   }
   const int num_heads = q.shape(1);
   const int head_dim = q.shape(2);
   const int num_blocks = key_cache.shape(0);
   const int block_size = key_cache.shape(1);
   const int num_kv_heads = key_cache.shape(2);
+  const int value_row = value_cache.shape(3);
   std::ostringstream os;
   if (key_cache.shape(3) != head_dim) {
     os << "head_dim mismatch: q has " << head_dim << ", key_cache has "
@@ -110,6 +125,28 @@ mx::array paged_attention(
   if (!is_supported_head_dim(head_dim)) {
     os << "head_dim " << head_dim << " is not supported (1.." << kMaxHeadDim
        << ")";
+    fail(os.str());
+  }
+  if (v_head_dim) {
+    if (*v_head_dim < 1) {
+      os << "v_head_dim must be >= 1 (or None), got " << *v_head_dim;
+      fail(os.str());
+    }
+    if (*v_head_dim > value_row) {
+      os << "v_head_dim " << *v_head_dim << " exceeds the value_cache row of " << value_row
+         << " values (value_cache shape " << shape_str(value_cache) << ")";
+      fail(os.str());
+    }
+  } else if (value_row != head_dim) {
+    os << "value_cache rows hold " << value_row << " values but the key head_dim is "
+       << head_dim << "; pass v_head_dim to read the first v_head_dim values of each row";
+    fail(os.str());
+  }
+  const int v_dim = v_head_dim.value_or(head_dim);
+  if (!is_supported_v_head_dim(v_dim)) {
+    os << "v_head_dim " << v_dim
+       << (v_head_dim ? "" : " (the key head_dim, v_head_dim being None)")
+       << " is not supported (1.." << kMaxVHeadDim << ")";
     fail(os.str());
   }
   if (!is_supported_block_size(block_size)) {
@@ -146,20 +183,33 @@ mx::array paged_attention(
   if (softcap && (!(*softcap > 0.0f) || !std::isfinite(*softcap))) {
     fail("softcap must be a positive finite number (or None)");
   }
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q};
+  if (sinks) {
+    if (sinks->ndim() != 1 || sinks->shape(0) != num_heads) {
+      os << "sinks must have shape [num_heads] = (" << num_heads << ",) (one logit per query head),"
+         << " got shape " << shape_str(*sinks);
+      fail(os.str());
+    }
+    if (!mx::issubdtype(sinks->dtype(), mx::floating)) {
+      os << "sinks must be a floating-point array, got " << sinks->dtype();
+      fail(os.str());
+    }
+    inputs.push_back(mx::astype(*sinks, mx::float32, stream));
+  }
 
   PagedAttentionParams params{
-      scale, sliding_window.value_or(0), softcap.value_or(0.0f)};
-  auto stream = mx::to_stream(s);
+      scale, sliding_window.value_or(0), softcap.value_or(0.0f), v_dim};
   return mx::array(
-      q.shape(),
+      {q.shape(0), num_heads, v_dim},
       dt,
       std::make_shared<PagedAttention>(stream, params),
-      {q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q});
+      std::move(inputs));
 }
 
 std::vector<mx::Shape> PagedAttention::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
+  return {{inputs[0].shape(0), inputs[0].shape(1), params_.v_head_dim}};
 }
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {

@@ -6,6 +6,12 @@
 // at absolute position seq_lens[s] - n_s + j and attends causally to every
 // cached and new position <= its own (optionally only the last sliding_window
 // positions). Softmax is accumulated in float32 whatever the storage dtype.
+//
+// Optional: attention sinks (one extra logit per query head in the softmax
+// denominator that contributes no value, as mx.fast.scaled_dot_product_attention
+// and gpt-oss define them) and a value head size different from the key's
+// (the values are the first v_head_dim entries of each value_cache row, which
+// lets latent attention (MLA) pass one cache as both key_cache and value_cache).
 #pragma once
 
 #include <optional>
@@ -19,25 +25,31 @@ namespace vllm_metal {
 namespace mx = mlx::core;
 
 // Everything that is not an array input. sliding_window <= 0 and softcap <= 0
-// mean "off".
+// mean "off". Sinks are an array input (the 7th, when present).
 struct PagedAttentionParams {
   float scale;
   int sliding_window;
   float softcap;
+  int v_head_dim;  // values per row read from value_cache (its first ones)
 
   bool operator==(const PagedAttentionParams&) const = default;
 };
 
 // Head dims and block sizes the kernels are instantiated for (CPU and Metal
-// accept the same set so a model never runs on one backend only).
-constexpr int kMaxHeadDim = 256;
+// accept the same set so a model never runs on one backend only): key head
+// dims 1..576 (MLA: kv_lora_rank 512 + rope 64) and value head dims 1..512,
+// in any combination.
+constexpr int kMaxHeadDim = 576;
+constexpr int kMaxVHeadDim = 512;
 bool is_supported_head_dim(int head_dim);
+bool is_supported_v_head_dim(int v_head_dim);
 bool is_supported_block_size(int block_size);
 
 // Validates shapes/dtypes (std::invalid_argument -> Python ValueError) and
-// returns the lazy output [num_tokens, num_heads, head_dim] in q's dtype.
+// returns the lazy output [num_tokens, num_heads, v_head_dim] in q's dtype.
 // Inputs (in this order): q, key_cache, value_cache, block_tables, seq_lens,
-// cu_seqlens_q. Data-dependent checks (block ids, lengths) happen at eval.
+// cu_seqlens_q[, sinks as float32]. Data-dependent checks (block ids,
+// lengths) happen at eval. value_cache may be the same array as key_cache.
 mx::array paged_attention(
     const mx::array& q,
     const mx::array& key_cache,
@@ -48,6 +60,8 @@ mx::array paged_attention(
     float scale,
     std::optional<int> sliding_window,
     std::optional<float> softcap,
+    const std::optional<mx::array>& sinks = std::nullopt,
+    std::optional<int> v_head_dim = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // Invariant for every eval_* below: no encoder.add_temporary(). A temporary
@@ -71,6 +85,12 @@ class PagedAttention : public mx::UnaryPrimitive {
 
   const PagedAttentionParams& params() const {
     return params_;
+  }
+
+  // Position of the optional sinks among the inputs.
+  static constexpr int kSinksInput = 6;
+  static bool has_sinks(const std::vector<mx::array>& inputs) {
+    return inputs.size() > kSinksInput;
   }
 
  private:

@@ -96,6 +96,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   g.num_tokens = q.shape(0);
   g.num_heads = q.shape(1);
   g.head_dim = q.shape(2);
+  g.v_head_dim = params_.v_head_dim;
   g.num_blocks = kc.shape(0);
   g.block_size = kc.shape(1);
   g.num_kv_heads = kc.shape(2);
@@ -121,7 +122,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   // Index arrays made from host data (the engine's) are ready now; arrays
   // computed in this graph are waited for.
   bool ready = true;
-  for (int i = 3; i < 6; ++i) {
+  for (int i = 3; i < 6; ++i) {  // (not the sinks: read only by the task)
     ready = ready && inputs[i].status() == mx::array::Status::available;
   }
   if (!ready) {
@@ -141,10 +142,13 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   // temporaries needed); the arrays are captured only to read them.
   encoder.dispatch([inputs, out, params = params_, g, dtype, seq_lens = std::move(seq_lens),
                     cu_seqlens_q = std::move(cu_seqlens_q)]() mutable {
+    const bool sinks = has_sinks(inputs);
     KernelArgs args{dtype, inputs[0].data<void>(), inputs[1].data<void>(),
                     inputs[2].data<void>(), inputs[3].data<int32_t>(),
-                    out.data<void>(), params, g, std::move(seq_lens),
-                    std::move(cu_seqlens_q)};
+                    out.data<void>(),
+                    sinks ? inputs[kSinksInput].data<float>() : nullptr,
+                    sinks ? inputs[kSinksInput].strides(0) : 0,
+                    params, g, std::move(seq_lens), std::move(cu_seqlens_q)};
     kernel(args);
   });
 }

@@ -64,6 +64,7 @@ PagedAttentionArgs make_args(const std::vector<mx::array>& inputs,
   args.num_tokens = q.shape(0);
   args.num_heads = q.shape(1);
   args.head_dim = q.shape(2);
+  args.v_head_dim = params.v_head_dim;
   args.num_blocks = k.shape(0);
   args.block_size = k.shape(1);
   args.num_kv_heads = k.shape(2);
@@ -72,6 +73,8 @@ PagedAttentionArgs make_args(const std::vector<mx::array>& inputs,
   args.scale = params.scale;
   args.sliding_window = params.sliding_window;
   args.softcap = params.softcap;
+  args.has_sinks = PagedAttention::has_sinks(inputs) ? 1 : 0;
+  args.sinks_stride = args.has_sinks ? inputs[PagedAttention::kSinksInput].strides(0) : 0;
   return args;
 }
 
@@ -120,6 +123,9 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
       // must still sit in the slot.
       encoder.set_input_array(inputs[i].size() > 0 ? inputs[i] : out, slots[i]);
     }
+    // Without sinks the kernels never read the slot; q (not empty when out
+    // is not) sits there.
+    encoder.set_input_array(has_sinks(inputs) ? inputs[kSinksInput] : inputs[0], kSinksBuffer);
     const int64_t partials = plan.has_reduce ? int64_t(plan.partials_offset) : 0;
     if (reads_partials) {
       encoder.set_input_array(out, kPartialsBuffer, partials);

@@ -13,18 +13,32 @@
   template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
 
 // Names: paged_attention_<kind>_<dtype>_d<tier>, built the same way by
-// vllm_metal::kernel_name in paged_attention_plan.h. A tier serves head dims
-// up to its size with (tier / 32) dims per lane.
-#define instantiate_tier(tname, type, tier, dpl)                                        \
-  instantiate_kernel("paged_attention_decode_" #tname "_d" #tier, paged_attention_decode, type, dpl)   \
-  instantiate_kernel("paged_attention_prefill_" #tname "_d" #tier, paged_attention_prefill, type, dpl) \
-  instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce, type, dpl)
+// vllm_metal::kernel_name in paged_attention_plan.h. Tiers 32..256 serve key
+// and value head dims up to their size with (tier / 32) dims per lane; the
+// large tier 576 serves keys up to 576 and values up to 512 (18 and 16 dims
+// per lane) with its own prefill tiling (paged_attention_tuning.h).
+#define instantiate_tier(tname, type, tier, dpl_k, dpl_v, sg, rows, keys)                    \
+  instantiate_kernel("paged_attention_decode_" #tname "_d" #tier, paged_attention_decode,     \
+                     type, dpl_k, dpl_v)                                                       \
+  instantiate_kernel("paged_attention_prefill_" #tname "_d" #tier, paged_attention_prefill,   \
+                     type, dpl_k, dpl_v, sg, rows, keys)                                       \
+  instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce,     \
+                     type, dpl_v)
 
-#define instantiate_dtype(tname, type) \
-  instantiate_tier(tname, type, 32, 1)  \
-  instantiate_tier(tname, type, 64, 2)  \
-  instantiate_tier(tname, type, 128, 4) \
-  instantiate_tier(tname, type, 256, 8)
+#define instantiate_small_tier(tname, type, tier, dpl)                            \
+  instantiate_tier(tname, type, tier, dpl, dpl, vllm_metal::kPrefillSimdgroups,   \
+                   vllm_metal::kPrefillRowsPerSimdgroup,                          \
+                   vllm_metal::kPrefillKvTileFloats / (tier))
+
+#define instantiate_dtype(tname, type)                                                   \
+  instantiate_small_tier(tname, type, 32, 1)                                             \
+  instantiate_small_tier(tname, type, 64, 2)                                             \
+  instantiate_small_tier(tname, type, 128, 4)                                            \
+  instantiate_small_tier(tname, type, 256, 8)                                            \
+  instantiate_tier(tname, type, 576, vllm_metal::kLargeKeyDimsPerLane,                   \
+                   vllm_metal::kLargeValueDimsPerLane, vllm_metal::kPrefillLargeSimdgroups, \
+                   vllm_metal::kPrefillLargeRowsPerSimdgroup,                            \
+                   vllm_metal::kPrefillLargeKvTileKeys)
 
 instantiate_dtype(float32, float)
 instantiate_dtype(float16, half)

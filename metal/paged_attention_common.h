@@ -130,4 +130,26 @@ inline float merge_weight(float m, float m_all) {
   return m == -INFINITY ? 0.0f : exp(m - m_all);
 }
 
+// Folds the attention sink of `head` into a row's finished softmax state
+// (m, l): one more logit, sinks[head] (neither scaled nor soft-capped), in
+// the denominator, with no value. Returns the factor for the accumulator: the
+// row is then acc * factor / l. Without sinks: 1, l unchanged. Every kernel
+// calls it once per row, when it writes the row (the reduce kernel, not the
+// partitions, in partitioned decode), so the sink is counted once.
+inline float fold_sink(
+    constant PagedAttentionArgs& args,
+    const device float* sinks,
+    int head,
+    float m,
+    thread float& l) {
+  if (args.has_sinks == 0) {
+    return 1.0f;
+  }
+  const float sink = sinks[int64_t(head) * args.sinks_stride];
+  const float m_all = max(m, sink);
+  const float factor = merge_weight(m, m_all);
+  l = l * factor + exp(sink - m_all);
+  return factor;
+}
+
 } // namespace vllm_metal

@@ -4,15 +4,18 @@
 // Its grid covers every row; threadgroups of prefill rows return at once.
 //
 // Each simdgroup walks every kDecodeSimdgroups-th visible key with one lane
-// per head dimension (lane l holds dims l, l + 32, ...), keeping its own
-// online softmax in float32; the simdgroups' states are merged at the end.
-// With one partition the row is written to `out`; otherwise this partition's
-// unnormalised state (m, l, acc) goes to `partials` for the reduce kernel.
+// per head dimension (lane l holds dims l, l + 32, ...: DPL_K of q and the
+// key, DPL_V of the value and the accumulator), keeping its own online
+// softmax in float32; the simdgroups' states are merged at the end. With one
+// partition the row is written to `out` (the sink folded in); otherwise this
+// partition's unnormalised state (m, l, acc) goes to `partials` for the
+// reduce kernel, which folds the sink in.
 #pragma once
 
 #include "paged_attention_common.h"
 
-template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
+// DPL_K, DPL_V: key and value head dims per lane (of the head-dim tier).
+template <typename T, int DPL_K, int DPL_V>
 [[kernel]] void paged_attention_decode(
     constant vllm_metal::PagedAttentionArgs& args [[buffer(0)]],
     const device T* q [[buffer(1)]],
@@ -23,6 +26,7 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
     const device int* cu_seqlens_q [[buffer(6)]],
     device T* out [[buffer(7)]],
     device float* partials [[buffer(8)]],
+    const device float* sinks [[buffer(9)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -38,6 +42,7 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
   const int token = tgid.y;
   const int part = tgid.z;
   const int D = args.head_dim;
+  const int Dv = args.v_head_dim;
   const int kv_head = head / args.group;
   const TokenPlace place = locate_token(args, seq_lens, cu_seqlens_q, token);
   if (is_prefill_row(place)) {  // the same for the whole threadgroup
@@ -54,12 +59,14 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
     key_hi = key_hi < part_hi ? key_hi : part_hi;
   }
 
-  float qv[DPL];
-  float acc[DPL];
+  float qv[DPL_K];
+  float acc[DPL_V];
   const int64_t q_row = int64_t(token) * args.q_strides[0] + int64_t(head) * args.q_strides[1];
-  for (int i = 0; i < DPL; ++i) {
+  for (int i = 0; i < DPL_K; ++i) {
     const int d = i * W + int(lane);
     qv[i] = d < D ? load_float(q, q_row + d * args.q_strides[2]) : 0.0f;
+  }
+  for (int i = 0; i < DPL_V; ++i) {
     acc[i] = 0.0f;
   }
   float m = -INFINITY;
@@ -76,7 +83,7 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
     const int64_t k_row = cache_row(args.k_strides, block, slot, kv_head);
     const int64_t v_row = cache_row(args.v_strides, block, slot, kv_head);
     float dot = 0.0f;
-    for (int i = 0; i < DPL; ++i) {
+    for (int i = 0; i < DPL_K; ++i) {
       const int d = i * W + int(lane);
       if (d < D) {
         dot += qv[i] * load_float(k_cache, k_row + d * args.k_strides[3]);
@@ -87,9 +94,9 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
     const float alpha = exp(m - m_new);
     const float w = exp(s - m_new);
     l = l * alpha + w;
-    for (int i = 0; i < DPL; ++i) {
+    for (int i = 0; i < DPL_V; ++i) {
       const int d = i * W + int(lane);
-      const float v = d < D ? load_float(v_cache, v_row + d * args.v_strides[3]) : 0.0f;
+      const float v = d < Dv ? load_float(v_cache, v_row + d * args.v_strides[3]) : 0.0f;
       acc[i] = acc[i] * alpha + w * v;
     }
     m = m_new;
@@ -115,14 +122,18 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
   const float mine = merge_weight(m, m_all);
   const bool partitioned = args.num_partitions > 1;
   const int64_t row = int64_t(token) * args.num_heads + head;
-  const int64_t part_row = (row * args.num_partitions + part) * int64_t(D + 2);
+  const int64_t part_row = (row * args.num_partitions + part) * int64_t(Dv + 2);
   const bool nan_row = any_bad != 0 || !(l_all > 0.0f);
+  // The row's denominator with the sink (written rows only; partials keep
+  // the bare state for the reduce kernel).
+  float l_row = l_all;
+  const float sink_factor = partitioned ? 1.0f : fold_sink(args, sinks, head, m_all, l_row);
 
-  for (int i = 0; i < DPL; ++i) {
+  for (int i = 0; i < DPL_V; ++i) {
     sg_acc[sg * W + lane] = acc[i] * mine;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int d = i * W + int(lane);
-    if (sg == 0 && d < D) {
+    if (sg == 0 && d < Dv) {
       float sum = 0.0f;
       for (int j = 0; j < NSG; ++j) {
         sum += sg_acc[j * W + lane];
@@ -130,7 +141,7 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
       if (partitioned) {
         partials[part_row + 2 + d] = sum;
       } else {
-        out[row * D + d] = static_cast<T>(nan_row ? NAN : sum / l_all);
+        out[row * Dv + d] = static_cast<T>(nan_row ? NAN : sum * sink_factor / l_row);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -24,6 +24,7 @@ enum PagedAttentionBuffer : int {
   kCuSeqlensQBuffer = 6,
   kOutBuffer = 7,
   kPartialsBuffer = 8,
+  kSinksBuffer = 9,  // float32 [num_heads]; q sits in the slot when has_sinks == 0
 };
 
 // 8-byte members first and 4-byte members after, an even number of them, so
@@ -38,10 +39,12 @@ struct PagedAttentionArgs {
   int64_t block_table_strides[2];
   int64_t seq_lens_stride;
   int64_t cu_seqlens_q_stride;
+  int64_t sinks_stride;
 
   int num_tokens;
   int num_heads;
-  int head_dim;
+  int head_dim;    // q and key rows
+  int v_head_dim;  // values read from each value row (its first ones); out's last axis
   int num_kv_heads;
   int group;  // num_heads / num_kv_heads (GQA)
   int num_seqs;
@@ -55,9 +58,10 @@ struct PagedAttentionArgs {
   int sliding_window;  // <= 0: off
   float scale;
   float softcap;  // <= 0: off
+  int has_sinks;  // 1: sinks[head] joins each row's softmax denominator
 };
 
-static_assert(sizeof(PagedAttentionArgs) == 15 * 8 + 14 * 4,
+static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 16 * 4,
               "PagedAttentionArgs must have no padding (host/MSL layout)");
 
 } // namespace vllm_metal

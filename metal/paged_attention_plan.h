@@ -45,7 +45,7 @@ struct PagedAttentionPlan {
 constexpr size_t kScratchAlign = 256;
 
 // Dims per lane for a head dim: the smallest of 1, 2, 4, 8 with
-// 32 * dpl >= head_dim (head_dim is 1..256, checked by the op).
+// 32 * dpl >= head_dim (head_dim is 1..256 here).
 inline int dims_per_lane(int head_dim) {
   int dpl = 1;
   while (dpl * kSimdWidth < head_dim) {
@@ -54,10 +54,19 @@ inline int dims_per_lane(int head_dim) {
   return dpl;
 }
 
+// The head-dim tier serving a key head dim (1..576) and a value head dim
+// (1..512), both checked by the op: the smallest of 32, 64, 128, 256 holding
+// both (one dims-per-lane count for keys and values), else the large tier.
+inline int head_dim_tier(int head_dim, int v_head_dim) {
+  const int widest = std::max(head_dim, v_head_dim);
+  return widest <= 8 * kSimdWidth ? dims_per_lane(widest) * kSimdWidth : int(kLargeTier);
+}
+
 // dtype_name: "float32", "float16" or "bfloat16" (MLX's names).
-inline std::string kernel_name(const char* kind, const std::string& dtype_name, int head_dim) {
+inline std::string kernel_name(const char* kind, const std::string& dtype_name, int head_dim,
+                               int v_head_dim) {
   return std::string("paged_attention_") + kind + "_" + dtype_name + "_d" +
-      std::to_string(dims_per_lane(head_dim) * kSimdWidth);
+      std::to_string(head_dim_tier(head_dim, v_head_dim));
 }
 
 // Test hook: a partition size to force instead of the tuned one (0: tuned).
@@ -65,16 +74,20 @@ struct PlanOverrides {
   int partition_size = 0;
 };
 
-// `args` arrives with shapes, strides and parameters filled in; the plan
-// completes it (group, partitions). out_bytes: size of the output array.
+// `args` arrives with shapes, strides and parameters filled in (v_head_dim
+// and has_sinks too); the plan completes it (group, partitions). out_bytes:
+// size of the output array.
 inline PagedAttentionPlan plan_paged_attention(
     PagedAttentionArgs args,
     const std::string& dtype_name,
     size_t out_bytes,
     PlanOverrides overrides = {}) {
-  if (args.head_dim < 1 || args.head_dim > 8 * kSimdWidth) {
-    throw std::invalid_argument("[paged_attention] head_dim outside the Metal kernels' 1..256");
+  if (args.head_dim < 1 || args.head_dim > kLargeKeyDimsPerLane * kSimdWidth ||
+      args.v_head_dim < 1 || args.v_head_dim > kLargeValueDimsPerLane * kSimdWidth) {
+    throw std::invalid_argument(
+        "[paged_attention] head dims outside the Metal kernels' 1..576 (keys), 1..512 (values)");
   }
+  const int tier = head_dim_tier(args.head_dim, args.v_head_dim);
   args.group = args.num_heads / args.num_kv_heads;
   const int64_t rows = int64_t(args.num_tokens) * args.num_heads;
   const int64_t capacity = int64_t(args.max_blocks_per_seq) * args.block_size;
@@ -98,14 +111,14 @@ inline PagedAttentionPlan plan_paged_attention(
     size = (size + kSimdWidth - 1) / kSimdWidth * kSimdWidth;
     parts = (capacity + size - 1) / size;
   }
-  plan.decode = {kernel_name("decode", dtype_name, args.head_dim),
+  plan.decode = {kernel_name("decode", dtype_name, args.head_dim, args.v_head_dim),
                  {u32(args.num_heads), u32(args.num_tokens), u32(parts)},
                  u32(kDecodeSimdgroups * kSimdWidth)};
   plan.has_reduce = parts > 1;
   if (plan.has_reduce) {
     args.num_partitions = static_cast<int>(parts);
     args.partition_size = static_cast<int>(size);
-    plan.reduce = {kernel_name("reduce", dtype_name, args.head_dim),
+    plan.reduce = {kernel_name("reduce", dtype_name, args.head_dim, args.v_head_dim),
                    {u32(args.num_heads), u32(args.num_tokens), 1},
                    u32(kReduceSimdgroups * kSimdWidth)};
   }
@@ -113,14 +126,15 @@ inline PagedAttentionPlan plan_paged_attention(
   if (plan.has_prefill) {
     const int64_t tiles =
         (int64_t(args.num_tokens) + kPrefillTokensPerTile - 1) / kPrefillTokensPerTile;
-    plan.prefill = {kernel_name("prefill", dtype_name, args.head_dim),
+    const int simdgroups = tier == kLargeTier ? kPrefillLargeSimdgroups : kPrefillSimdgroups;
+    plan.prefill = {kernel_name("prefill", dtype_name, args.head_dim, args.v_head_dim),
                     {u32(tiles), u32(args.num_heads), 1},
-                    u32(kPrefillSimdgroups * kSimdWidth)};
+                    u32(simdgroups * kSimdWidth)};
   }
 
   plan.partials_offset = (out_bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
   const size_t partial_floats = plan.has_reduce
-      ? size_t(rows) * size_t(args.num_partitions) * size_t(args.head_dim + 2)
+      ? size_t(rows) * size_t(args.num_partitions) * size_t(args.v_head_dim + 2)
       : 0;
   plan.total_bytes = plan.has_reduce ? plan.partials_offset + partial_floats * sizeof(float)
                                      : out_bytes;

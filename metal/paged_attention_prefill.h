@@ -7,14 +7,17 @@
 //
 // A tile of packed tokens may straddle sequences; it is processed as its
 // segments (runs of tokens of one sequence), one after another, skipping
-// segments that belong to the decode kernel. Each simdgroup owns
-// kPrefillRowsPerSimdgroup tokens and keeps their online softmax states in
-// registers, one lane per head dimension as in decode.
+// segments that belong to the decode kernel. Each simdgroup owns R tokens and
+// keeps their online softmax states in registers, one lane per head dimension
+// as in decode. The tier's sizes (dims per lane, simdgroups, rows, keys per
+// staged tile) are template arguments: see paged_attention.metal.
 #pragma once
 
 #include "paged_attention_common.h"
 
-template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
+// DPL_K, DPL_V: key and value head dims per lane; NSG simdgroups of R rows
+// each (NSG * R = kPrefillTokensPerTile); KT keys staged per tile.
+template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT>
 [[kernel]] void paged_attention_prefill(
     constant vllm_metal::PagedAttentionArgs& args [[buffer(0)]],
     const device T* q [[buffer(1)]],
@@ -24,30 +27,33 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
     const device int* seq_lens [[buffer(5)]],
     const device int* cu_seqlens_q [[buffer(6)]],
     device T* out [[buffer(7)]],
+    const device float* sinks [[buffer(9)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   using namespace vllm_metal;
   constexpr int W = kSimdWidth;
-  constexpr int DT = DPL * W;                     // head-dim tier
-  constexpr int KT = kPrefillKvTileFloats / DT;   // keys per staged tile
-  constexpr int R = kPrefillRowsPerSimdgroup;
-  constexpr int NT = kPrefillSimdgroups * W;      // threads per threadgroup
+  constexpr int DTK = DPL_K * W;  // floats per staged key row
+  constexpr int DTV = DPL_V * W;  // floats per staged value row
+  constexpr int NT = NSG * W;     // threads per threadgroup
   static_assert(KT >= 1 && KT <= NT, "one thread looks up each tile key's block");
-  threadgroup float k_tile[KT * DT];
-  threadgroup float v_tile[KT * DT];
+  static_assert(NSG * R == kPrefillTokensPerTile, "the host plans tiles of this many tokens");
+  static_assert(DTV <= DTK, "values are staged alongside keys");
+  threadgroup float k_tile[KT * DTK];
+  threadgroup float v_tile[KT * DTV];
   threadgroup int tile_blocks[KT];  // cache block of each tile key, -1: none
 
   const int head = tgid.y;
   const int D = args.head_dim;
+  const int Dv = args.v_head_dim;
   const int kv_head = head / args.group;
   const int t0 = int(tgid.x) * kPrefillTokensPerTile;
   const int t_end = min(t0 + int(kPrefillTokensPerTile), args.num_tokens);
   const int row0 = t0 + int(sg) * R;  // first token owned by this simdgroup
 
-  float qv[R][DPL];
-  float acc[R][DPL];
+  float qv[R][DPL_K];
+  float acc[R][DPL_V];
   float m[R];
   float l[R];
   bool seen[R];  // the row is this kernel's: it belongs to a prefill segment
@@ -55,9 +61,11 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
   for (int r = 0; r < R; ++r) {
     const int t = row0 + r;
     const int64_t q_row = int64_t(t) * args.q_strides[0] + int64_t(head) * args.q_strides[1];
-    for (int i = 0; i < DPL; ++i) {
+    for (int i = 0; i < DPL_K; ++i) {
       const int d = i * W + int(lane);
       qv[r][i] = (t < t_end && d < D) ? load_float(q, q_row + d * args.q_strides[2]) : 0.0f;
+    }
+    for (int i = 0; i < DPL_V; ++i) {
       acc[r][i] = 0.0f;
     }
     m[r] = -INFINITY;
@@ -94,22 +102,30 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
             key < key_hi ? physical_block(args, block_tables, first.seq, key) : -1;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (int e = int(tid); e < KT * DT; e += NT) {
-        const int j = e / DT;
-        const int d = e - j * DT;
+      // One pass over the key rows; a value row is staged with the first
+      // DTV elements of its key row.
+      for (int e = int(tid); e < KT * DTK; e += NT) {
+        const int j = e / DTK;
+        const int d = e - j * DTK;
         const int block = tile_blocks[j];
         float kx = 0.0f;
         float vx = 0.0f;
-        if (block >= 0 && d < D) {
+        if (block >= 0 && (d < D || d < Dv)) {
           const int key = kb + j;
           const int slot = key - (key / args.block_size) * args.block_size;
-          kx = load_float(k_cache, cache_row(args.k_strides, block, slot, kv_head) +
-                                       d * args.k_strides[3]);
-          vx = load_float(v_cache, cache_row(args.v_strides, block, slot, kv_head) +
-                                       d * args.v_strides[3]);
+          if (d < D) {
+            kx = load_float(k_cache, cache_row(args.k_strides, block, slot, kv_head) +
+                                         d * args.k_strides[3]);
+          }
+          if (d < Dv) {
+            vx = load_float(v_cache, cache_row(args.v_strides, block, slot, kv_head) +
+                                         d * args.v_strides[3]);
+          }
         }
         k_tile[e] = kx;
-        v_tile[e] = vx;
+        if (d < DTV) {
+          v_tile[j * DTV + d] = vx;
+        }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -128,16 +144,16 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
             continue;
           }
           float dot = 0.0f;
-          for (int i = 0; i < DPL; ++i) {
-            dot += qv[r][i] * k_tile[j * DT + i * W + int(lane)];
+          for (int i = 0; i < DPL_K; ++i) {
+            dot += qv[r][i] * k_tile[j * DTK + i * W + int(lane)];
           }
           const float s = finish_score(args, simd_sum(dot));
           const float m_new = max(m[r], s);
           const float alpha = exp(m[r] - m_new);
           const float w = exp(s - m_new);
           l[r] = l[r] * alpha + w;
-          for (int i = 0; i < DPL; ++i) {
-            acc[r][i] = acc[r][i] * alpha + w * v_tile[j * DT + i * W + int(lane)];
+          for (int i = 0; i < DPL_V; ++i) {
+            acc[r][i] = acc[r][i] * alpha + w * v_tile[j * DTV + i * W + int(lane)];
           }
           m[r] = m_new;
         }
@@ -156,11 +172,13 @@ template <typename T, int DPL>  // DPL: head dims per lane (head-dim tier / 32)
       continue;
     }
     const bool nan_row = bad[r] || !(l[r] > 0.0f);
-    const int64_t o_row = (int64_t(tr) * args.num_heads + head) * D;
-    for (int i = 0; i < DPL; ++i) {
+    const int64_t o_row = (int64_t(tr) * args.num_heads + head) * Dv;
+    float l_row = l[r];
+    const float sink_factor = fold_sink(args, sinks, head, m[r], l_row);
+    for (int i = 0; i < DPL_V; ++i) {
       const int d = i * W + int(lane);
-      if (d < D) {
-        out[o_row + d] = static_cast<T>(nan_row ? NAN : acc[r][i] / l[r]);
+      if (d < Dv) {
+        out[o_row + d] = static_cast<T>(nan_row ? NAN : acc[r][i] * sink_factor / l_row);
       }
     }
   }

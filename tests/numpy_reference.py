@@ -12,15 +12,20 @@ import numpy as np
 
 
 def paged_attention_f64(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                        scale, sliding_window=None, softcap=None):
-    """Straight-from-the-definition paged attention in float64, one token at a time."""
+                        scale, sliding_window=None, softcap=None, sinks=None, v_head_dim=None):
+    """Straight-from-the-definition paged attention in float64, one token at a time.
+
+    sinks[h]: one more logit in head h's softmax denominator, with no value.
+    v_head_dim: the values are the first v_head_dim entries of each value row.
+    """
     q = np.asarray(q, np.float64)
     kc = np.asarray(key_cache, np.float64)
     vc = np.asarray(value_cache, np.float64)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = kc.shape
+    vc = vc[..., :head_dim if v_head_dim is None else v_head_dim]
     group = num_heads // num_kv_heads
-    out = np.zeros_like(q)
+    out = np.zeros((num_tokens, num_heads, vc.shape[-1]))
     for s in range(len(seq_lens)):
         lo_tok, hi_tok = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         n, ctx = hi_tok - lo_tok, int(seq_lens[s])
@@ -39,8 +44,10 @@ def paged_attention_f64(q, key_cache, value_cache, block_tables, seq_lens, cu_se
                 if softcap is not None:
                     scores = softcap * np.tanh(scores / softcap)
                 scores = np.where(visible, scores, -np.inf)
-                p = np.exp(scores - scores.max())
-                out[lo_tok + j, h] = (p / p.sum()) @ values[:, kvh]
+                m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
+                p = np.exp(scores - m)
+                denominator = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                out[lo_tok + j, h] = (p / denominator) @ values[:, kvh]
     return out
 
 
@@ -58,8 +65,11 @@ class PagedBatch:
 
 
 def make_batch(rng, *, new_tokens, context_lens, num_heads, num_kv_heads, head_dim,
-               block_size, dtype=np.float32, spare_blocks=3):
-    """new_tokens[s] tokens for sequence s whose total context is context_lens[s]."""
+               block_size, dtype=np.float32, spare_blocks=3, value_head_dim=None):
+    """new_tokens[s] tokens for sequence s whose total context is context_lens[s].
+
+    value_head_dim: the value cache's row size (default head_dim).
+    """
     assert all(n <= c for n, c in zip(new_tokens, context_lens))
     blocks_per_seq = [-(-c // block_size) for c in context_lens]
     max_blocks = max(blocks_per_seq + [1]) + 1  # a spare column past every sequence
@@ -72,11 +82,12 @@ def make_batch(rng, *, new_tokens, context_lens, num_heads, num_kv_heads, head_d
         block_tables[s, nb:] = -7  # garbage past the sequence's end must never be read
         used += nb
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    v_shape = shape[:3] + (value_head_dim or head_dim,)
     total = int(sum(new_tokens))
     return PagedBatch(
         q=rng.standard_normal((total, num_heads, head_dim)).astype(dtype),
         key_cache=rng.standard_normal(shape).astype(dtype),
-        value_cache=rng.standard_normal(shape).astype(dtype),
+        value_cache=rng.standard_normal(v_shape).astype(dtype),
         block_tables=block_tables,
         seq_lens=np.asarray(context_lens, np.int32),
         cu_seqlens_q=np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32),

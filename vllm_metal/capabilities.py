@@ -162,7 +162,7 @@ def model_check(model_dir: str) -> dict:
         result["reason"] = f"{type(e).__name__}: {e}"
         return result
     windows = sorted({w for w in m.sliding_windows if w})
-    result.update(served=True, reason=f"{m.num_layers} layers, {m.num_kv_heads} KV heads of {m.head_dim}"
+    result.update(served=True, reason=f"{m.num_layers} layers, {m.kv_summary()}"
                   + (f", sliding windows {windows}" if windows else "")
                   + (", MLX-quantized" if m.quantized else ""))
     return result

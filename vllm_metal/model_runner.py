@@ -17,14 +17,15 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal import envs, prompt_logprobs
-from vllm_metal.models.attention_adapter import PagedKVCache, StepAttentionInputs
+from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.persistent_batch import PersistentBatch
 from vllm_metal.sampling import sample
@@ -89,14 +90,21 @@ class MetalModelRunner:
         return f"model.layers.{i}.self_attn"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """One spec per layer with a cache of its own (layers reading an
+        earlier layer's cache have none, as vLLM's KV sharing does)."""
         m = self.mlx_model
         block_size = self.vllm_config.cache_config.block_size
         dtype = MX_TO_TORCH[m.dtype]
         specs: dict[str, KVCacheSpec] = {}
-        for i, window in enumerate(m.sliding_windows):
-            common = dict(block_size=block_size, num_kv_heads=m.num_kv_heads, head_size=m.head_dim, dtype=dtype)
-            specs[self.layer_name(i)] = (SlidingWindowSpec(sliding_window=window, **common) if window
-                                         else FullAttentionSpec(**common))
+        for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
+            if kv.source is not None:
+                continue
+            common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=dtype)
+            if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)
+                specs[self.layer_name(i)] = MLAAttentionSpec(**common)
+            else:
+                specs[self.layer_name(i)] = (SlidingWindowSpec(sliding_window=window, **common) if window
+                                             else FullAttentionSpec(**common))
         return specs
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
@@ -110,16 +118,15 @@ class MetalModelRunner:
                                       if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None)
             for name in group.layer_names:
                 layer_group[index[name]] = g
+        for i, kv in enumerate(m.layer_kv):  # a shared layer reads its source's blocks
+            if kv.source is not None:
+                layer_group[i] = layer_group[kv.source]
         # Block 0 is vLLM's null block: allocated, never handed to a request.
-        shapes = [(config.num_blocks, self.block_sizes[g], m.num_kv_heads, m.head_dim) for g in layer_group]
-        keys = [mx.zeros(s, dtype=m.dtype) for s in shapes]
-        values = [mx.zeros(s, dtype=m.dtype) for s in shapes]
-        mx.eval(keys, values)
-        self.kv = PagedKVCache(keys, values, layer_group)
+        self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group)
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,
-                    self.block_sizes, m.num_layers, sum(k.nbytes + v.nbytes for k, v in zip(keys, values)) / 2**30)
+                    self.block_sizes, m.num_layers, sum(a.nbytes for a in self.kv.arrays()) / 2**30)
 
     def warm_up(self) -> None:
         """A small step shaped like real traffic, into the null block: one row
@@ -152,16 +159,8 @@ class MetalModelRunner:
         """The whole model over the packed step, evaluated once (or per layer)."""
         kv = self.kv
         self.forward_passes += 1
-        kv.step = StepAttentionInputs(
-            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
-            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
-            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings)
-        try:
-            hidden = self.mlx_model.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
-            logits = self.mlx_model.logits(hidden[mx.array(logit_rows.astype(np.int32))])
-            self._evaluate(logits, kv.keys, kv.values)
-        finally:
-            kv.step = None
+        logits = self.mlx_model.forward(kv, inputs, logit_rows)
+        self._evaluate(logits, kv.arrays())
         return np.array(logits, copy=False)
 
     def execute_model(self, so: SchedulerOutput):

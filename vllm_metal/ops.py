@@ -2,7 +2,8 @@
 
     from vllm_metal import ops
     out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
-                              cu_seqlens_q, scale=..., sliding_window=None, softcap=None)
+                              cu_seqlens_q, scale=..., sliding_window=None, softcap=None,
+                              sinks=None, v_head_dim=None)
     key_cache, value_cache = ops.write_kv(key_cache, value_cache, k, v, slot_mapping)
 
 Both build graph nodes and return at once; nothing is computed until the
@@ -12,7 +13,10 @@ the native primitive (C++ on the CPU, Metal on an Apple GPU) and falls back to
 native kernel. Layouts:
 
     q             [num_tokens, num_heads, head_dim]    new tokens of all sequences, packed
-    key_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
+    key_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache   [num_blocks, block_size, num_kv_heads, >= v_head_dim]  (may be key_cache)
+    sinks         float [num_heads]      optional: one extra softmax logit per query head
+    out           [num_tokens, num_heads, v_head_dim]  (v_head_dim defaults to head_dim)
     block_tables  int32 [num_seqs, max_blocks_per_seq]
     seq_lens      int32 [num_seqs]       context length after this step (cached + new)
     cu_seqlens_q  int32 [num_seqs + 1]   offsets of each sequence's new tokens in q
@@ -95,6 +99,22 @@ def attention_path(stream=None) -> tuple[str, str]:
     return "reference", "this build has no native kernel for MLX's GPU device"
 
 
+def _as_sinks(sinks) -> mx.array | None:
+    if sinks is None or isinstance(sinks, mx.array):
+        return sinks
+    if isinstance(sinks, (np.ndarray, list, tuple)):
+        return mx.array(np.asarray(sinks))
+    raise TypeError(f"sinks must be an mx.array (or numpy array/list) or None, got {type(sinks).__name__}")
+
+
+def _as_v_head_dim(v_head_dim) -> int | None:
+    if v_head_dim is None:
+        return None
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)):
+        raise TypeError(f"v_head_dim must be an int or None, got {type(v_head_dim).__name__}")
+    return int(v_head_dim)
+
+
 def _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
     for name, value in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         _check_array(value, name)
@@ -106,8 +126,16 @@ def _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, *,
                     scale: float, sliding_window: int | None = None,
-                    softcap: float | None = None, stream=None) -> mx.array:
-    """Lazy varlen paged attention; returns an array shaped and typed like q.
+                    softcap: float | None = None, sinks=None, v_head_dim: int | None = None,
+                    stream=None) -> mx.array:
+    """Lazy varlen paged attention; returns [num_tokens, num_heads, v_head_dim] in q's dtype.
+
+    sinks: optional float [num_heads]; query head h gets one extra logit
+    sinks[h] in its softmax denominator that contributes no value (not scaled,
+    not softcapped), as in mx.fast.scaled_dot_product_attention(..., sinks=).
+    v_head_dim: values are the first v_head_dim entries of each value_cache row
+    (default: the key head dim, and value_cache rows must then be that long);
+    value_cache may be key_cache itself (latent attention, MLA).
 
     Shape/dtype/rank mistakes raise ValueError naming the argument; bad block
     ids or lengths (known only once the inputs are computed) raise RuntimeError
@@ -116,14 +144,17 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlen
     args = _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     if attention_path(stream)[0] == "reference":
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window,
-                                         softcap=softcap, stream=stream)
+                                         softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
+                                         stream=stream)
     return _ext.paged_attention(*args, scale=_as_scale(scale), sliding_window=sliding_window,
-                                softcap=softcap, stream=stream)
+                                softcap=softcap, sinks=_as_sinks(sinks),
+                                v_head_dim=_as_v_head_dim(v_head_dim), stream=stream)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                               *, scale: float, sliding_window: int | None = None,
-                              softcap: float | None = None, stream=None) -> mx.array:
+                              softcap: float | None = None, sinks=None,
+                              v_head_dim: int | None = None, stream=None) -> mx.array:
     """The same attention from plain MLX ops, on any device; a test oracle.
 
     Gathers every token's whole block table, so it costs memory proportional to
@@ -132,12 +163,14 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
     """
     q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q = _prepare(
         q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
+    sinks, v_head_dim = _as_sinks(sinks), _as_v_head_dim(v_head_dim)
     # Same static validation as the primitive (building the lazy node is free).
     _ext.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                          scale=_as_scale(scale), sliding_window=sliding_window, softcap=softcap,
-                         stream=stream)
+                         sinks=sinks, v_head_dim=v_head_dim, stream=stream)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     num_seqs, max_blocks = block_tables.shape
     group = num_heads // num_kv_heads
     context = max_blocks * block_size
@@ -151,12 +184,12 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
 
         table = mx.clip(block_tables, 0, num_blocks - 1)[seq_of_token]  # [N, M]
 
-        def gather(cache):  # -> [N, kv_heads, context, head_dim] float32
-            x = cache[table].reshape(num_tokens, context, num_kv_heads, head_dim)
-            return x.astype(mx.float32).transpose(0, 2, 1, 3)
+        def gather(cache, dims):  # -> [N, kv_heads, context, dims] float32
+            x = cache[table].reshape(num_tokens, context, num_kv_heads, cache.shape[3])
+            return x[..., :dims].astype(mx.float32).transpose(0, 2, 1, 3)
 
         qf = q.astype(mx.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-        scores = (qf @ gather(key_cache).swapaxes(-1, -2)) * scale  # [N, kvh, G, ctx]
+        scores = (qf @ gather(key_cache, head_dim).swapaxes(-1, -2)) * scale  # [N, kvh, G, ctx]
         if softcap is not None:
             scores = softcap * mx.tanh(scores / softcap)
         key_pos = mx.arange(context, dtype=mx.int32)[None, :]
@@ -164,9 +197,15 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         if sliding_window is not None:
             visible = visible & (key_pos > positions[:, None] - sliding_window)
         scores = mx.where(visible[:, None, None, :], scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1)
-        out = probs @ gather(value_cache)  # [N, kvh, G, D]
-        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+        if sinks is not None:
+            # One more logit per head, after scale and softcap, whose value is 0.
+            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, num_kv_heads, group, 1),
+                                   (num_tokens, num_kv_heads, group, 1))
+            probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :context]
+        else:
+            probs = mx.softmax(scores, axis=-1)
+        out = probs @ gather(value_cache, v_head_dim)  # [N, kvh, G, Dv]
+        return out.reshape(num_tokens, num_heads, v_head_dim).astype(q.dtype)
 
 
 def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.array,
@@ -191,18 +230,37 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must match "
                          f"key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    for name, x in (("k", k), ("v", v)):
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    return tuple(_write([key_cache, value_cache], [k, v], ["k", "v"], "key_cache", slot_mapping))
+
+
+def write_cache(cache: mx.array, x: mx.array, slot_mapping) -> mx.array:
+    """`write_kv` for one cache: latent attention (MLA) keeps a single row per
+    token, [kv_latent, k_rope], read as K and (its first kv_lora_rank
+    entries) as V. Same slots, laziness, donation and errors as `write_kv`."""
+    _check_array(cache, "cache")
+    _check_array(x, "x")
+    return _write([cache], [x], ["x"], "cache", slot_mapping)[0]
+
+
+def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache_name: str,
+           slot_mapping) -> list[mx.array]:
+    cache0 = caches[0]
+    if cache0.ndim != 4:
+        raise ValueError(f"{cache_name} must have rank 4 [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got shape {tuple(cache0.shape)}")
+    num_blocks, block_size, num_kv_heads, head_dim = cache0.shape
+    for name, x in zip(names, news):
         if x.ndim != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match "
                              f"the cache, got shape {tuple(x.shape)}")
-        if x.dtype != key_cache.dtype:
-            raise ValueError(f"{name} dtype {x.dtype} does not match the cache dtype {key_cache.dtype}")
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+        if x.dtype != cache0.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} does not match the cache dtype {cache0.dtype}")
 
     num_slots = num_blocks * block_size
-    slots, host = _slot_array(slot_mapping, k.shape[0], num_slots)
+    num_tokens = news[0].shape[0]
+    slots, host = _slot_array(slot_mapping, num_tokens, num_slots)
 
     def scatter(cache, new, where, what):
         flat = cache.reshape(num_slots, num_kv_heads, head_dim)
@@ -214,16 +272,14 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
         # cache is read by nothing here, so the scatter can be donated.
         keep = np.nonzero(host >= 0)[0]
         if keep.size == 0:
-            return key_cache, value_cache
+            return list(caches)
         if keep.size < host.size:
             slots, pick = mx.array(host[keep]), mx.array(keep.astype(np.int32))
-            return (scatter(key_cache, k, slots, lambda new, _: new[pick]),
-                    scatter(value_cache, v, slots, lambda new, _: new[pick]))
-        return (scatter(key_cache, k, slots, lambda new, _: new),
-                scatter(value_cache, v, slots, lambda new, _: new))
+            return [scatter(c, x, slots, lambda new, _: new[pick]) for c, x in zip(caches, news)]
+        return [scatter(c, x, slots, lambda new, _: new) for c, x in zip(caches, news)]
 
-    if k.shape[0] == 0:
-        return key_cache, value_cache
+    if num_tokens == 0:
+        return list(caches)
     # Lazy slots: padding and out-of-range slots are pointed at the first real
     # write with that write's value, so duplicates in the scatter agree; with
     # no real write at all they rewrite slot 0 with its own content. This path
@@ -237,8 +293,7 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
         anchor_value = mx.where(any_valid, new[first], flat[0])
         return mx.where(valid[:, None, None], new, anchor_value)
 
-    return (scatter(key_cache, k, safe_slots, anchored),
-            scatter(value_cache, v, safe_slots, anchored))
+    return [scatter(c, x, safe_slots, anchored) for c, x in zip(caches, news)]
 
 
 def _slot_array(slot_mapping, num_tokens: int, num_slots: int):

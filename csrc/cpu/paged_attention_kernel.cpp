@@ -4,7 +4,9 @@
 // Work is split into units of (sequence, tile of query tokens, kv head[, key
 // partition]); each unit loads a cache block's K/V rows once and uses them for
 // every query head of the GQA group and every token of the tile. Softmax is an
-// online (streaming) softmax in float32.
+// online (streaming) softmax in float32. Scores use head_dim (q and key rows),
+// the accumulator v_head_dim (the first values of each value row); an
+// attention sink is folded into a row's finished state when it is written.
 //
 // Numerics are batch-invariant by construction: keys are visited in absolute
 // partitions of kPartition positions; each partition is reduced with a fresh
@@ -141,6 +143,8 @@ class CpuPagedAttention {
         v_(static_cast<const T*>(a.value_cache)),
         bt_(a.block_tables),
         out_(static_cast<T*>(a.out)),
+        sinks_(a.sinks),
+        sinks_stride_(a.sinks_stride),
         p_(a.params),
         g_(a.geometry),
         seq_lens_(a.seq_lens),
@@ -195,7 +199,7 @@ class CpuPagedAttention {
         const int64_t rows = (t.te - t.tb) * g_.group;
         for (int p = t.pb; p < t.pe; ++p) {
           units_.push_back({t.seq, t.tb, t.te, h, p, p + 1, partial_floats});
-          partial_floats += rows * (g_.head_dim + 2);
+          partial_floats += rows * (g_.v_head_dim + 2);
         }
       }
     }
@@ -204,15 +208,15 @@ class CpuPagedAttention {
 
   void run_unit(const Unit& u) {
     thread_local Scratch sc;
-    const int D = g_.head_dim;
+    const int D = g_.head_dim, Dv = g_.v_head_dim;
     const int rows = (u.tok_end - u.tok_begin) * g_.group;
     sc.q.resize(rows * D);
-    sc.acc.assign(rows * D, 0.0f);
+    sc.acc.assign(rows * Dv, 0.0f);
     sc.state.assign(rows, RowState{kNegInf, 0.0f});
-    sc.part_acc.resize(rows * D);
+    sc.part_acc.resize(rows * Dv);
     sc.part_state.resize(rows);
     sc.k.resize(g_.block_size * D);
-    sc.v.resize(g_.block_size * D);
+    sc.v.resize(g_.block_size * Dv);
     sc.scores.resize(g_.block_size);
 
     // Gather the tile's query rows (token-major, then head within the group).
@@ -226,21 +230,21 @@ class CpuPagedAttention {
     for (int part = u.part_begin; part < u.part_end; ++part) {
       reduce_partition(u, part, rows, sc);
       for (int r = 0; r < rows; ++r) {
-        merge_into(sc.state[r], &sc.acc[r * D], sc.part_state[r], &sc.part_acc[r * D], D);
+        merge_into(sc.state[r], &sc.acc[r * Dv], sc.part_state[r], &sc.part_acc[r * Dv], Dv);
       }
     }
 
     if (u.partial_offset < 0) {
       for (int r = 0; r < rows; ++r) {
-        write_row(u, r, sc.state[r], &sc.acc[r * D]);
+        write_row(u, r, sc.state[r], &sc.acc[r * Dv]);
       }
     } else {
       float* dst = &partials_[u.partial_offset];
       for (int r = 0; r < rows; ++r) {
         dst[0] = sc.state[r].m;
         dst[1] = sc.state[r].l;
-        std::copy_n(&sc.acc[r * D], D, dst + 2);
-        dst += D + 2;
+        std::copy_n(&sc.acc[r * Dv], Dv, dst + 2);
+        dst += Dv + 2;
       }
     }
   }
@@ -248,8 +252,8 @@ class CpuPagedAttention {
   // Fresh online softmax of every row of the unit over one key partition,
   // into sc.part_state / sc.part_acc.
   void reduce_partition(const Unit& u, int part, int rows, Scratch& sc) {
-    const int D = g_.head_dim, bs = g_.block_size;
-    std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * D, 0.0f);
+    const int D = g_.head_dim, Dv = g_.v_head_dim, bs = g_.block_size;
+    std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * Dv, 0.0f);
     std::fill(sc.part_state.begin(), sc.part_state.begin() + rows, RowState{kNegInf, 0.0f});
 
     const int first_pos = row_pos(u.seq, u.tok_begin);
@@ -267,7 +271,7 @@ class CpuPagedAttention {
         const int64_t k_off = block_id * g_.k_st[0] + (p - b * bs) * g_.k_st[1] + u.kv_head * g_.k_st[2];
         const int64_t v_off = block_id * g_.v_st[0] + (p - b * bs) * g_.v_st[1] + u.kv_head * g_.v_st[2];
         load_row(k_ + k_off, g_.k_st[3], D, &sc.k[(p - p0) * D]);
-        load_row(v_ + v_off, g_.v_st[3], D, &sc.v[(p - p0) * D]);
+        load_row(v_ + v_off, g_.v_st[3], Dv, &sc.v[(p - p0) * Dv]);
       }
       for (int r = 0; r < rows; ++r) {
         const int pos = first_pos + r / g_.group;
@@ -275,8 +279,8 @@ class CpuPagedAttention {
         if (lo >= hi) {
           continue;
         }
-        block_update(&sc.q[r * D], sc.part_state[r], &sc.part_acc[r * D],
-                     &sc.k[(lo - p0) * D], &sc.v[(lo - p0) * D], hi - lo, sc);
+        block_update(&sc.q[r * D], sc.part_state[r], &sc.part_acc[r * Dv],
+                     &sc.k[(lo - p0) * D], &sc.v[(lo - p0) * Dv], hi - lo, sc);
       }
     }
   }
@@ -284,7 +288,7 @@ class CpuPagedAttention {
   // Online-softmax step of one row over n consecutive keys.
   void block_update(const float* q, RowState& st, float* acc, const float* k,
                     const float* v, int n, Scratch& sc) {
-    const int D = g_.head_dim;
+    const int D = g_.head_dim, Dv = g_.v_head_dim;
     float* s = sc.scores.data();
     float mb = kNegInf;
     for (int i = 0; i < n; ++i) {
@@ -298,7 +302,7 @@ class CpuPagedAttention {
     const float m = std::max(st.m, mb);
     const float a = std::exp(st.m - m);
     if (a != 1.0f) {
-      for (int d = 0; d < D; ++d) {
+      for (int d = 0; d < Dv; ++d) {
         acc[d] *= a;
       }
     }
@@ -310,36 +314,45 @@ class CpuPagedAttention {
     for (int i = 0; i < n; ++i) {
       l += s[i];
     }
-    accumulate_rows(acc, s, v, n, D, D);
+    accumulate_rows(acc, s, v, n, Dv, Dv);
     st = {m, l};
   }
 
+  // Normalises a row's finished state and stores it. The sink, if any, is
+  // one more logit in the denominator with no value: folded in here, once
+  // per row, whichever way the row's partitions were reduced.
   void write_row(const Unit& u, int r, RowState st, const float* acc) {
-    const int D = g_.head_dim;
+    const int Dv = g_.v_head_dim;
     const int t = cu_[u.seq] + u.tok_begin + r / g_.group;
     const int h = u.kv_head * g_.group + r % g_.group;
-    T* dst = out_ + (static_cast<int64_t>(t) * g_.num_heads + h) * D;
-    const float inv = 1.0f / st.l;
-    float* row = scaled_row_buffer(D);
-    for (int d = 0; d < D; ++d) {
+    T* dst = out_ + (static_cast<int64_t>(t) * g_.num_heads + h) * Dv;
+    float inv = 1.0f / st.l;
+    if (sinks_ != nullptr) {
+      const float sink = sinks_[h * sinks_stride_];
+      const float m = std::max(st.m, sink);
+      const float c = std::exp(st.m - m);
+      inv = c / (st.l * c + std::exp(sink - m));
+    }
+    float* row = scaled_row_buffer(Dv);
+    for (int d = 0; d < Dv; ++d) {
       row[d] = acc[d] * inv;
     }
-    store_row(row, D, dst);
+    store_row(row, Dv, dst);
   }
 
   // Merges the partials of split unit group i in partition order, exactly as
   // run_unit does in place, and writes the rows.
   void merge_partials(std::size_t i) {
     const Unit& u = merges_[i];
-    const int D = g_.head_dim;
+    const int Dv = g_.v_head_dim;
     const int rows = (u.tok_end - u.tok_begin) * g_.group;
-    std::vector<float> acc(D);
+    std::vector<float> acc(Dv);
     for (int r = 0; r < rows; ++r) {
       RowState st{kNegInf, 0.0f};
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int p = 0; p < u.part_end - u.part_begin; ++p) {
-        const float* src = &partials_[u.partial_offset + (p * rows + r) * (D + 2)];
-        merge_into(st, acc.data(), RowState{src[0], src[1]}, src + 2, D);
+        const float* src = &partials_[u.partial_offset + (p * rows + r) * (Dv + 2)];
+        merge_into(st, acc.data(), RowState{src[0], src[1]}, src + 2, Dv);
       }
       write_row(u, r, st, acc.data());
     }
@@ -350,6 +363,8 @@ class CpuPagedAttention {
   const T* v_;
   const int32_t* bt_;
   T* out_;
+  const float* sinks_;
+  int64_t sinks_stride_;
   PagedAttentionParams p_;
   Geometry g_;
   const std::vector<int>& seq_lens_;

@@ -11,7 +11,7 @@ namespace vllm_metal::cpu {
 
 // Sizes and element strides of the inputs, read once from the arrays.
 struct Geometry {
-  int num_tokens, num_heads, head_dim;
+  int num_tokens, num_heads, head_dim, v_head_dim;  // head_dim: q and keys
   int num_blocks, block_size, num_kv_heads, group;
   int num_seqs, max_blocks;
   int64_t q_st[3], k_st[4], v_st[4], bt_st[2];
@@ -26,7 +26,9 @@ struct KernelArgs {
   const void* key_cache;
   const void* value_cache;
   const int32_t* block_tables;
-  void* out;  // row-contiguous [num_tokens, num_heads, head_dim]
+  void* out;  // row-contiguous [num_tokens, num_heads, v_head_dim]
+  const float* sinks;  // [num_heads] with stride sinks_stride, or nullptr
+  int64_t sinks_stride;
   PagedAttentionParams params;
   Geometry geometry;
   std::vector<int> seq_lens;

@@ -56,12 +56,12 @@ class Executor:
         self.lib.vm_paged_attention.argtypes = [
             c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_int64),
             c.POINTER(c.c_void_p), c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_float,
-            c.c_int, c.c_float, c.c_int, c.c_int, c.c_uint64, c.c_int, c.c_int, c.c_void_p,
-            c.POINTER(c.c_int64), c.c_char_p, c.c_uint64]
+            c.c_int, c.c_float, c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_int, c.c_int,
+            c.c_void_p, c.POINTER(c.c_int64), c.c_char_p, c.c_uint64]
         self.lib.msl_kernel_names.argtypes = [c.c_char_p, c.c_uint64]
         self.lib.msl_kernel_names.restype = c.c_uint64
-        self.lib.vm_kernel_name.argtypes = [c.c_char_p, c.c_char_p, c.c_int, c.c_char_p,
-                                            c.c_uint64]
+        self.lib.vm_kernel_name.argtypes = [c.c_char_p, c.c_char_p, c.c_int, c.c_int,
+                                            c.c_char_p, c.c_uint64]
         self.workers = max(1, min(os.cpu_count() or 1, 4))
 
     def kernel_names(self) -> set[str]:
@@ -71,10 +71,12 @@ class Executor:
             raise RuntimeError("kernel name list truncated")
         return set(buf.value.decode().split())
 
-    def host_kernel_name(self, kind: str, dtype: str, head_dim: int) -> str:
+    def host_kernel_name(self, kind: str, dtype: str, head_dim: int,
+                         v_head_dim: int | None = None) -> str:
         """The name eval_gpu looks up (vllm_metal::kernel_name)."""
         buf = ctypes.create_string_buffer(256)
-        self.lib.vm_kernel_name(kind.encode(), dtype.encode(), head_dim, buf, len(buf))
+        self.lib.vm_kernel_name(kind.encode(), dtype.encode(), head_dim,
+                                head_dim if v_head_dim is None else v_head_dim, buf, len(buf))
         return buf.value.decode()
 
     def launch(self, kernel: str, buffers: list[np.ndarray | None], grid, group, *,
@@ -96,37 +98,43 @@ class Executor:
 
     def paged_attention(self, dtype: str, q, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, *, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None, partition_size: int = 0, seed: int = 0,
+                        softcap: float | None = None, sinks: np.ndarray | None = None,
+                        v_head_dim: int | None = None, partition_size: int = 0, seed: int = 0,
                         at_start: bool = False,
                         kernels: tuple[str, ...] = ("decode", "prefill"),
                         ) -> tuple[np.ndarray, dict]:
         """Runs the kernels as eval_gpu would; returns (output as float32, plan info).
 
-        Arrays may be any strided numpy views (bfloat16 as uint16 bit patterns).
-        `kernels` leaves out decode (with its reduce) or prefill, to see which
-        rows each writes; rows no kernel writes come out NaN.
+        Arrays may be any strided numpy views (bfloat16 as uint16 bit patterns;
+        sinks float32, which the op casts them to). `kernels` leaves out decode
+        (with its reduce) or prefill, to see which rows each writes; rows no
+        kernel writes come out NaN.
         """
         c = ctypes
         storage, itemsize = DTYPES[dtype]
-        inputs = [q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q]
-        for a, want in zip(inputs, [storage] * 3 + [np.int32] * 3):
+        has_sinks = sinks is not None
+        if not has_sinks:
+            sinks = np.zeros(1, np.float32)  # a placeholder the driver does not bind
+        inputs = [q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, sinks]
+        for a, want in zip(inputs, [storage] * 3 + [np.int32] * 3 + [np.float32]):
             if a.dtype != want:
                 raise TypeError(f"expected {np.dtype(want)}, got {a.dtype}")
         views = [_view(a) for a in inputs]
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
         dims = [num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads,
-                seq_lens.shape[0], block_tables.shape[1]]
+                seq_lens.shape[0], block_tables.shape[1], v_head_dim]
         strides = [s for _, _, st in views for s in st]
-        out = np.empty((num_tokens, num_heads, head_dim), dtype=storage)
+        out = np.empty((num_tokens, num_heads, v_head_dim), dtype=storage)
         info = (c.c_int64 * 2)()
         err = c.create_string_buffer(4096)
         rc = self.lib.vm_paged_attention(
-            dtype.encode(), itemsize, (c.c_int64 * 8)(*dims), (c.c_int64 * 15)(*strides),
-            (c.c_void_p * 6)(*[b.ctypes.data for b, _, _ in views]),
-            (c.c_uint64 * 6)(*[b.nbytes for b, _, _ in views]),
-            (c.c_int64 * 6)(*[o for _, o, _ in views]), scale, sliding_window or 0,
-            softcap or 0.0, partition_size, int(at_start), seed, self.workers,
+            dtype.encode(), itemsize, (c.c_int64 * 9)(*dims), (c.c_int64 * 16)(*strides),
+            (c.c_void_p * 7)(*[b.ctypes.data for b, _, _ in views]),
+            (c.c_uint64 * 7)(*[b.nbytes for b, _, _ in views]),
+            (c.c_int64 * 7)(*[o for _, o, _ in views]), scale, sliding_window or 0,
+            softcap or 0.0, int(has_sinks), partition_size, int(at_start), seed, self.workers,
             int("decode" in kernels) | 2 * int("prefill" in kernels),
             out.ctypes.data, info, err, len(err))
         if rc != 0:

@@ -67,9 +67,18 @@ class Case:
     softcap: float | None = None
     kind: str = ""
     extra: dict = field(default_factory=dict)
+    sinks: np.ndarray | None = None   # float32 [num_heads]
+    v_head_dim: int | None = None
+    shared_kv: bool = False           # value_cache is key_cache (latent attention)
 
     def kwargs(self) -> dict:
-        return dict(scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap)
+        """Keyword arguments for ops.paged_attention and the executor alike."""
+        kw = dict(scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap)
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
+        if self.v_head_dim is not None:
+            kw["v_head_dim"] = self.v_head_dim
+        return kw
 
 
 def _batch(rng: np.random.Generator, kind: str) -> tuple[list[int], list[int]]:
@@ -99,7 +108,13 @@ def _batch(rng: np.random.Generator, kind: str) -> tuple[list[int], list[int]]:
 
 def make_case(rng: np.random.Generator, *, dtype: str, head_dim: int, group: int,
               block_size: int, kind: str, num_kv_heads: int = 2,
-              sliding_window: int | None = None, softcap: float | None = None) -> Case:
+              sliding_window: int | None = None, softcap: float | None = None,
+              sinks: bool = False, v_head_dim: int | None = None,
+              shared_kv: bool = False) -> Case:
+    """sinks: draw one per head (one dominant, one -inf where there are 3+
+    heads). v_head_dim: the values' size; with shared_kv the values are the
+    first v_head_dim entries of the key rows (one cache, as in MLA), else a
+    value cache of that width."""
     seq_lens, new_tokens = _batch(rng, kind)
     num_seqs = len(seq_lens)
     used = [(n + block_size - 1) // block_size for n in seq_lens]
@@ -116,11 +131,23 @@ def make_case(rng: np.random.Generator, *, dtype: str, head_dim: int, group: int
     num_heads = group * num_kv_heads
     num_tokens = sum(new_tokens)
     draw = lambda *shape: round_to(dtype, rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    q = draw(num_tokens, num_heads, head_dim)
+    key_cache = draw(num_blocks, block_size, num_kv_heads, head_dim)
+    if shared_kv:
+        value_cache = key_cache
+    else:
+        value_cache = draw(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
+    sink_values = None
+    if sinks:
+        sink_values = rng.normal(0.0, 2.0, num_heads).astype(np.float32)
+        sink_values[0] = 6.0  # outweighs every key
+        if num_heads >= 3:
+            sink_values[-1] = -np.inf  # no sink at all
     return Case(
         dtype=dtype,
-        q=draw(num_tokens, num_heads, head_dim),
-        key_cache=draw(num_blocks, block_size, num_kv_heads, head_dim),
-        value_cache=draw(num_blocks, block_size, num_kv_heads, head_dim),
+        q=q,
+        key_cache=key_cache,
+        value_cache=value_cache,
         block_tables=block_tables,
         seq_lens=np.array(seq_lens, np.int32),
         cu_seqlens_q=np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32),
@@ -128,13 +155,17 @@ def make_case(rng: np.random.Generator, *, dtype: str, head_dim: int, group: int
         sliding_window=sliding_window,
         softcap=softcap,
         kind=kind,
+        sinks=sink_values,
+        v_head_dim=v_head_dim,
+        shared_kv=shared_kv,
     )
 
 
 def mx_inputs(case: Case) -> list[mx.array]:
     dt = MX_DTYPES[case.dtype]
-    return [mx.array(case.q).astype(dt), mx.array(case.key_cache).astype(dt),
-            mx.array(case.value_cache).astype(dt), mx.array(case.block_tables),
+    key_cache = mx.array(case.key_cache).astype(dt)
+    value_cache = key_cache if case.shared_kv else mx.array(case.value_cache).astype(dt)
+    return [mx.array(case.q).astype(dt), key_cache, value_cache, mx.array(case.block_tables),
             mx.array(case.seq_lens), mx.array(case.cu_seqlens_q)]
 
 

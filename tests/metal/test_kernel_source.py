@@ -41,12 +41,17 @@ def test_embedded_source_is_self_contained_ascii(embedded):
 
 
 def test_every_kernel_the_host_asks_for_is_instantiated(executor):
+    """Every key head dim the op accepts (1..576), each with value head dims
+    at and around the tiers' edges (1..512)."""
     names = executor.kernel_names()
     for dtype in ("float32", "float16", "bfloat16"):
-        for head_dim in range(1, 257):
-            for kind in ("decode", "prefill", "reduce"):
-                name = executor.host_kernel_name(kind, dtype, head_dim)
-                assert name in names, f"eval_gpu would ask for {name}, which is not instantiated"
+        for head_dim in range(1, 577):
+            v_dims = {head_dim, 1, 32, 33, 256, 257, 512} - set(range(513, 577))
+            for v_head_dim in v_dims:
+                for kind in ("decode", "prefill", "reduce"):
+                    name = executor.host_kernel_name(kind, dtype, head_dim, v_head_dim)
+                    assert name in names, (
+                        f"eval_gpu would ask for {name}, which is not instantiated")
 
 
 CMAKE_PROJECT = """

@@ -94,6 +94,71 @@ def test_other_supported_shapes(executor, rng, head_dim, block_size, kind):
     assert_close(out, cpu_reference(case), dtype, kind)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks(executor, rng, dtype, kind):
+    """Attention sinks in every kernel (decode, prefill, and the reduce of
+    partitioned decode, which alone folds them in), with window and softcap
+    rotating in."""
+    window, softcap = [(None, None), (16, None), (None, 30.0), (5, 20.0)][int(rng.integers(4))]
+    case = make_case(rng, dtype=dtype, head_dim=int(rng.choice([64, 128])), group=4,
+                     block_size=int(rng.choice([8, 16, 32])), kind=kind, sliding_window=window,
+                     softcap=softcap, sinks=True)
+    out, info = run(executor, case)
+    assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("partition_size", [32, 200])
+def test_sinks_counted_once_over_partitions(executor, rng, partition_size):
+    """Many partitions, most of them empty (window): the sink joins each row once."""
+    case = make_case(rng, dtype="float32", head_dim=64, group=4, block_size=16,
+                     kind="long_decode", sliding_window=300, sinks=True)
+    out, info = run(executor, case, partition_size=partition_size)
+    assert info["partitions"] > 1
+    assert_close(out, cpu_reference(case), "float32", str(info))
+
+
+# Key and value head sizes of the served families: latent attention (MLA: one
+# cache, K = the whole row, V = its first v_head_dim entries; deepseek 512 + 64,
+# minicpm3 256 + 32) on the large tier, and 192-dim heads (with 128-dim values
+# in a cache of their own) on the 256 tier.
+HEAD_SIZES = [(576, 512, True), (288, 256, True), (192, None, False), (192, 128, False)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed", "long_decode"])
+@pytest.mark.parametrize("head_dim,v_head_dim,shared", HEAD_SIZES)
+def test_head_sizes(executor, rng, head_dim, v_head_dim, shared, kind):
+    dtype = DTYPES[(head_dim + len(kind)) % 3]
+    case = make_case(rng, dtype=dtype, head_dim=head_dim, group=4, block_size=16, kind=kind,
+                     num_kv_heads=1 if shared else 2, v_head_dim=v_head_dim, shared_kv=shared)
+    out, info = run(executor, case)
+    assert out.shape == case.q.shape[:2] + (v_head_dim or head_dim,)
+    if kind == "long_decode":
+        assert info["partitions"] > 1
+    assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "long_decode"])
+@pytest.mark.parametrize("head_dim,v_head_dim", [(333, 301), (40, 100), (1, 512)])
+def test_head_sizes_off_the_tiers(executor, rng, head_dim, v_head_dim, kind):
+    """Sizes between tiers, values wider than keys, separate caches."""
+    case = make_case(rng, dtype="float16", head_dim=head_dim, group=3, block_size=8, kind=kind,
+                     v_head_dim=v_head_dim)
+    out, _ = run(executor, case)
+    assert_close(out, cpu_reference(case), "float16", kind)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "multi_token_decode"])
+def test_mla_with_sinks_window_and_partitions(executor, rng, kind):
+    """Everything at once on the large tier: sinks, softcap, window and
+    forced partitions next to a prefill chunk."""
+    case = make_case(rng, dtype="bfloat16", head_dim=576, group=2, block_size=32, kind=kind,
+                     num_kv_heads=1, v_head_dim=512, shared_kv=True, sinks=True,
+                     sliding_window=30, softcap=25.0)
+    out, info = run(executor, case, partition_size=64)
+    assert_close(out, cpu_reference(case), "bfloat16", f"{kind} {info}")
+
+
 def _strided_copy(rng, a: np.ndarray, how: str) -> np.ndarray:
     """The values of a as a non-contiguous numpy view."""
     if how == "padded_last":      # rows padded: last axis contiguous, others not
@@ -163,11 +228,16 @@ _RUN_IN_CHILD = textwrap.dedent("""
     from msl_executor import Executor
     d = np.load(sys.argv[3])
     ex = Executor(Path(sys.argv[2]))
+    extra = {}
+    if "sinks" in d:
+        extra["sinks"] = d["sinks"]
+    if "v_head_dim" in d:
+        extra["v_head_dim"] = int(d["v_head_dim"])
     for at_start in (False, True):
         out, _ = ex.paged_attention(
             str(d["dtype"]), d["q"], d["k"], d["v"], d["bt"], d["sl"], d["cu"],
             scale=float(d["scale"]), partition_size=int(d["partition_size"]),
-            at_start=at_start)
+            at_start=at_start, **extra)
         np.save(sys.argv[4] + ("_start.npy" if at_start else "_end.npy"), out)
 """)
 
@@ -176,11 +246,24 @@ _RUN_IN_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("kind", ["multi_token_decode", "prefill", "mixed", "long_decode"])
 def test_bad_metadata_gives_nan_rows_and_no_out_of_bounds_read(executor, rng, tmp_path,
                                                               kind, how):
+    case = make_case(rng, dtype="float16", head_dim=64, group=2, block_size=16, kind=kind)
+    _check_bad_metadata(executor, tmp_path, case, kind, how)
+
+
+@pytest.mark.parametrize("how", ["block_out_of_range", "huge_block", "seq_len_over_capacity"])
+@pytest.mark.parametrize("kind", ["prefill", "long_decode"])
+def test_bad_metadata_on_the_large_tier(executor, rng, tmp_path, kind, how):
+    """The large tier's own prefill tiling, with an MLA cache and sinks."""
+    case = make_case(rng, dtype="float16", head_dim=576, group=2, block_size=16, kind=kind,
+                     num_kv_heads=1, v_head_dim=512, shared_kv=True, sinks=True)
+    _check_bad_metadata(executor, tmp_path, case, kind, how)
+
+
+def _check_bad_metadata(executor, tmp_path, case, kind, how):
     from vllm_metal import ops  # noqa: F401
     import mlx.core as mx
     from paged_attention_cases import mx_inputs
 
-    case = make_case(rng, dtype="float16", head_dim=64, group=2, block_size=16, kind=kind)
     reference = cpu_reference(case)
     nan_tokens, exact_tokens = break_case(case, how)
     with pytest.raises(RuntimeError):  # the CPU backend validates instead
@@ -189,10 +272,13 @@ def test_bad_metadata_gives_nan_rows_and_no_out_of_bounds_read(executor, rng, tm
     # In a child process: a read outside a guarded buffer kills it (SIGSEGV)
     # instead of this test session. Guards sit after, then before, the data.
     inputs = tmp_path / "case.npz"
+    extra = {} if case.sinks is None else dict(sinks=case.sinks)
+    if case.v_head_dim is not None:
+        extra["v_head_dim"] = case.v_head_dim
     np.savez(inputs, dtype=case.dtype, q=storage("float16", case.q),
              k=storage("float16", case.key_cache), v=storage("float16", case.value_cache),
              bt=case.block_tables, sl=case.seq_lens, cu=case.cu_seqlens_q, scale=case.scale,
-             partition_size=128 if kind == "long_decode" else 0)
+             partition_size=128 if kind == "long_decode" else 0, **extra)
     child = subprocess.run(
         [sys.executable, "-c", _RUN_IN_CHILD, str(Path(msl_executor.__file__).parent),
          str(executor.path), str(inputs), str(tmp_path / "out")],

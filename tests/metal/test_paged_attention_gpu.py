@@ -48,6 +48,27 @@ def test_gpu_sliding_window_and_softcap(rng, dtype, kind, sliding_window, softca
     assert_close(gpu(case), cpu_reference(case), dtype, kind)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_sinks(rng, dtype, kind):
+    case = make_case(rng, dtype=dtype, head_dim=128, group=4, block_size=16, kind=kind,
+                     sliding_window=(None, 16)[len(kind) % 2], sinks=True)
+    assert_close(gpu(case), cpu_reference(case), dtype, kind)
+
+
+# Latent attention (one cache: K = the whole row, V = its first entries) on the
+# large tier, and 192-dim heads with separate 128-dim values.
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("head_dim,v_head_dim,shared", [(576, 512, True), (288, 256, True),
+                                                        (192, 128, False)])
+def test_gpu_head_sizes(rng, head_dim, v_head_dim, shared, kind):
+    dtype = DTYPES[len(kind) % 3]
+    case = make_case(rng, dtype=dtype, head_dim=head_dim, group=4, block_size=16, kind=kind,
+                     num_kv_heads=1 if shared else 2, v_head_dim=v_head_dim, shared_kv=shared,
+                     sinks=kind == "mixed")
+    assert_close(gpu(case), cpu_reference(case), dtype, kind)
+
+
 @pytest.mark.parametrize("head_dim", [1, 33, 96, 255])
 @pytest.mark.parametrize("block_size", [64, 128])
 def test_gpu_other_supported_shapes(rng, head_dim, block_size):

@@ -23,7 +23,15 @@ def good(rng):
 def call(args):
     return ops.paged_attention(args["q"], args["key_cache"], args["value_cache"], args["block_tables"],
                                args["seq_lens"], args["cu_seqlens_q"], scale=args["scale"],
-                               sliding_window=args.get("sliding_window"), softcap=args.get("softcap"))
+                               sliding_window=args.get("sliding_window"), softcap=args.get("softcap"),
+                               sinks=args.get("sinks"), v_head_dim=args.get("v_head_dim"))
+
+
+def big_heads(a, k_dim, v_row, q_dim=None):
+    """The good batch with key rows of k_dim and value rows of v_row (zeros)."""
+    nb, bs, kvh, _ = a["key_cache"].shape
+    return dict(a, q=mx.zeros(a["q"].shape[:2] + (q_dim or k_dim,)), key_cache=mx.zeros((nb, bs, kvh, k_dim)),
+                value_cache=mx.zeros((nb, bs, kvh, v_row)))
 
 
 def still_works(good):
@@ -52,6 +60,23 @@ STATIC = {
     "window": (lambda a: dict(a, sliding_window=0), ValueError, r"sliding_window must be >= 1"),
     "softcap": (lambda a: dict(a, softcap=-1.0), ValueError, r"softcap must be a positive"),
     "not an array": (lambda a: dict(a, q=np.zeros((4, 4, 64), np.float32)), TypeError, r"q must be an mx.array"),
+    # attention sinks: [num_heads] floats
+    "sinks rank": (lambda a: dict(a, sinks=mx.zeros((4, 1))), ValueError, r"sinks must have shape \[num_heads\] = \(4,\) .*got shape \(4, 1\)"),
+    "sinks length": (lambda a: dict(a, sinks=mx.zeros((2,))), ValueError, r"sinks must have shape \[num_heads\] = \(4,\) .*got shape \(2,\)"),
+    "sinks dtype": (lambda a: dict(a, sinks=mx.zeros((4,), mx.int32)), ValueError, r"sinks must be a floating-point array, got int32"),
+    "sinks type": (lambda a: dict(a, sinks="none"), TypeError, r"sinks must be an mx.array"),
+    # value head size, and caches that may differ only in their rows' size
+    "v_head_dim zero": (lambda a: dict(a, v_head_dim=0), ValueError, r"v_head_dim must be >= 1"),
+    "v_head_dim past the value row": (lambda a: dict(a, v_head_dim=65), ValueError, r"v_head_dim 65 exceeds the value_cache row of 64 values"),
+    "v_head_dim type": (lambda a: dict(a, v_head_dim=32.0), TypeError, r"v_head_dim must be an int"),
+    "value rows differ, no v_head_dim": (lambda a: dict(a, value_cache=a["value_cache"][..., :32]), ValueError, r"value_cache rows hold 32 values but the key head_dim is 64; pass v_head_dim"),
+    "value kv heads": (lambda a: dict(a, value_cache=a["value_cache"][:, :, :1]), ValueError, r"differs from value_cache shape .* in num_kv_heads \(2 vs 1\)"),
+    "value block size": (lambda a: dict(a, value_cache=a["value_cache"][:, :4]), ValueError, r"differs from value_cache shape .* in block_size \(8 vs 4\)"),
+    "value num_blocks": (lambda a: dict(a, value_cache=a["value_cache"][:2]), ValueError, r"in num_blocks \(\d+ vs 2\)"),
+    "head_dim past 576": (lambda a: big_heads(a, 584, 584), ValueError, r"head_dim 584 is not supported \(1..576\)"),
+    "v_head_dim past 512": (lambda a: dict(big_heads(a, 576, 576), v_head_dim=520), ValueError, r"v_head_dim 520 is not supported \(1..512\)"),
+    "default v_head_dim past 512": (lambda a: big_heads(a, 576, 576), ValueError, r"v_head_dim 576 \(the key head_dim, v_head_dim being None\) is not supported \(1..512\)"),
+    "q head_dim vs wide key rows": (lambda a: dict(big_heads(a, 576, 576, q_dim=512), v_head_dim=512), ValueError, r"head_dim mismatch: q has 512, key_cache has 576"),
     "float block table": (lambda a: dict(a, block_tables=np.zeros((2, 4))), ValueError, r"block_tables must hold integers"),
 }
 
@@ -89,11 +114,17 @@ def test_errors_at_eval(good, case):
     still_works(good)
 
 
-def test_reference_validates_the_same_way(good):
-    args = dict(good[0], q=good[0]["q"][:, :3])
-    with pytest.raises(ValueError, match="must be a positive multiple"):
+@pytest.mark.parametrize("change,message", [
+    (lambda a: dict(a, q=a["q"][:, :3]), "must be a positive multiple"),
+    (lambda a: dict(a, sinks=mx.zeros((3,))), r"sinks must have shape"),
+    (lambda a: dict(a, v_head_dim=65), r"v_head_dim 65 exceeds"),
+])
+def test_reference_validates_the_same_way(good, change, message):
+    args = change(good[0])
+    with pytest.raises(ValueError, match=message):
         ops.paged_attention_reference(*(args[k] for k in ("q", "key_cache", "value_cache", "block_tables",
-                                                          "seq_lens", "cu_seqlens_q")), scale=0.1)
+                                                          "seq_lens", "cu_seqlens_q")), scale=0.1,
+                                      sinks=args.get("sinks"), v_head_dim=args.get("v_head_dim"))
 
 
 def test_many_failures_then_success(good):

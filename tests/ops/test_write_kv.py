@@ -108,3 +108,22 @@ def test_bad_arguments_name_the_problem(rng, change, message):
                 slot_mapping=[0, 1])
     with pytest.raises((ValueError, TypeError), match=message):
         ops.write_kv(**change(args))
+
+
+@pytest.mark.parametrize("form", ["numpy", "mx_lazy"])
+def test_write_cache_single_latent_cache(rng, form):
+    # MLA's one cache per layer: [blocks, block_size, 1, kv_lora_rank + rope].
+    cache, _ = random_cache(rng, shape=(8, 4, 1, 48))
+    before, addr = np.array(cache), address(cache)
+    slots = [3, -1, 30]
+    x = mx.array(rng.standard_normal((3, 1, 48)).astype(np.float32))
+    mapping = np.array(slots) if form == "numpy" else mx.array(np.array(slots, np.int32)) + 0
+    cache = ops.write_cache(cache, x, mapping)
+    mx.eval(cache)
+    np.testing.assert_array_equal(np.array(cache), expected_after(before, np.array(x), slots))
+    if form == "numpy":
+        assert address(cache) == addr, "the latent cache was copied"
+    with pytest.raises(ValueError, match=r"x must be \[num_tokens, 1, 48\]"):
+        ops.write_cache(cache, x[:, :, :32], [0, 1, 2])
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 32 is outside"):
+        ops.write_cache(cache, x, [0, 1, 32])

@@ -31,6 +31,11 @@ COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_at
               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
               max_position_embeddings=4096, tie_word_embeddings=False)
 
+# Latent attention (MLA): rank 32 + rope 16 = one 48-wide cache row per
+# token; values 24 wide per head after the up-projection.
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+           head_dim=DROP, attention_bias=False)
+
 # model_type -> (HF architecture, config overrides). Only families in
 # vllm_metal.models.registry.SERVED appear here, and every served family must.
 FAMILIES: dict[str, tuple[str, dict]] = {
@@ -49,6 +54,20 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma3_text": ("Gemma3ForCausalLM", dict(num_hidden_layers=3, sliding_window=24, sliding_window_pattern=3,
                                               query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                                               rope_scaling=None)),
+    # Every gemma4 trait in one model: layers S F S F, the last two reading
+    # layers 0 and 1's caches; full layers with 32-wide heads, keys as
+    # values and 2 KV heads (twice the sliding layers' page size); per-layer
+    # inputs; the MoE block; a final softcap that bites.
+    "gemma4_text": ("Gemma4ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, global_head_dim=32, num_key_value_heads=2, num_global_key_value_heads=2,
+        attention_k_eq_v=True, num_kv_shared_layers=2, sliding_window=24, sliding_window_pattern=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, final_logit_softcapping=6.0, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters={"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                            "rope_type": "proportional"},
+                         "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0,
+                                               "rope_type": "default"}})),
     "starcoder2": ("Starcoder2ForCausalLM", dict(head_dim=DROP, norm_epsilon=1e-5, tie_word_embeddings=True)),
     "glm4": ("Glm4ForCausalLM", dict(attention_bias=True, partial_rotary_factor=0.5)),
     "seed_oss": ("SeedOssForCausalLM", dict(attention_bias=True)),
@@ -81,6 +100,42 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "granite": ("GraniteForCausalLM", dict(head_dim=DROP, logits_scaling=4.0, attention_multiplier=0.2,
                                            embedding_multiplier=6.0, residual_multiplier=0.5,
                                            attention_bias=False, mlp_bias=False)),
+    "ministral3": ("Ministral3ForCausalLM", dict(
+        num_hidden_layers=3, sliding_window=24, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        # Queries scaled by 1 + 0.5 log(1 + floor(pos / 64)): prompts reach position 360.
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.5,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # layer_types left out: mlx-lm's decoder defaults to sliding / full pairs.
+    "gpt_oss": ("GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+                                          num_hidden_layers=4, rope_scaling=None)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(MLA, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
+                                                  n_shared_experts=1, moe_intermediate_size=32,
+                                                  first_k_dense_replace=1, routed_scaling_factor=1.5,
+                                                  rope_scaling={"type": "yarn", "factor": 2.0,
+                                                                "original_max_position_embeddings": 64,
+                                                                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                                "mscale_all_dim": 0.707})),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2,
+                                                  n_shared_experts=1, moe_intermediate_size=32, n_group=2,
+                                                  topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                                                  norm_topk_prob=True, topk_method="noaux_tc",
+                                                  # yarn with mscale_all_dim: the softmax scale grows by mscale^2
+                                                  rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 64,
+                                                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                                                "mscale_all_dim": 1.0})),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", dict(MLA, q_lora_rank=48, n_routed_experts=4,
+                                                     num_experts_per_tok=2, n_shared_experts=1,
+                                                     moe_intermediate_size=32, first_k_dense_replace=1,
+                                                     routed_scaling_factor=1.5, norm_topk_prob=True,
+                                                     rope_scaling=None)),
+    "minicpm3": ("MiniCPM3ForCausalLM", dict(MLA, q_lora_rank=48, v_head_dim=DROP, dim_model_base=16,
+                                             scale_depth=1.4, scale_emb=2.0,
+                                             rope_scaling={"type": "longrope", "original_max_position_embeddings": 64,
+                                                           "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0],
+                                                           "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]})),
     "granitemoe": ("GraniteMoeForCausalLM", dict(head_dim=DROP, logits_scaling=4.0, attention_multiplier=0.2,
                                                  embedding_multiplier=6.0, residual_multiplier=0.5,
                                                  attention_bias=False, num_local_experts=4,
@@ -94,10 +149,13 @@ def config_of(model_type: str) -> dict:
     return {k: v for k, v in config.items() if v is not DROP}
 
 
-def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: int | None = None) -> str:
+def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: int | None = None,
+          group_size: int = 32, mixed: bool = False) -> str:
     """Writes the tiny `model_type` model to `out`; returns its path. With
-    `bits`, MLX-quantized as `mlx_lm.convert -q` writes it (group size 32,
-    `quantization` and `quantization_config` in config.json)."""
+    `bits`, MLX-quantized as `mlx_lm.convert -q` writes it (`quantization`
+    and `quantization_config` in config.json); `mixed` adds per-layer
+    overrides as mlx-lm's mixed recipes write them (8-bit embeddings and MLP
+    down projections, group size 32)."""
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
 
@@ -113,15 +171,27 @@ def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: i
             if "embed_tokens" in name or "lm_head" in name:
                 w *= 4.0  # peaked logits: greedy well defined, logprobs far from uniform
             params[name] = mx.array(w.astype(np.float32))
+        elif name.endswith("sinks"):  # attention sinks that compete with the scores
+            params[name] = mx.array((1.5 * rng.standard_normal(value.shape)).astype(np.float32))
         else:  # norms and biases: near their defaults, not exactly
             params[name] = value + mx.array(0.05 * rng.standard_normal(value.shape).astype(np.float32))
     model.update(tree_unflatten(list(params.items())))
     if bits is not None:
         import mlx.nn as nn
 
-        nn.quantize(model, group_size=32, bits=bits,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
-        config["quantization"] = config["quantization_config"] = {"group_size": 32, "bits": bits}
+        quantization = {"group_size": group_size, "bits": bits}
+
+        def predicate(path, m):
+            if not hasattr(m, "to_quantized"):
+                return False
+            if mixed and (path.endswith("down_proj") or path.endswith("embed_tokens")) \
+                    and m.weight.shape[-1] % 32 == 0:
+                quantization[path] = {"group_size": 32, "bits": 8}
+                return quantization[path]
+            return m.weight.shape[-1] % group_size == 0
+
+        nn.quantize(model, class_predicate=predicate, group_size=group_size, bits=bits)
+        config["quantization"] = config["quantization_config"] = quantization
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -57,9 +57,16 @@ def test_mlx_quantized_weights_kept_quantized(model_dir, monkeypatch):
 
 
 def test_unknown_architecture_is_a_clear_error(model_dir, tmp_path):
+    from vllm_metal.models.registry import UnservedModelError
+
     variant = Path(make_variant(model_dir, tmp_path / "x", "llama", {}))
-    (variant / "config.json").write_text((variant / "config.json").read_text().replace('"llama"', '"nosucharch"'))
-    with pytest.raises(NotImplementedError, match="mlx-lm cannot build model type 'nosucharch'"):
+    config = json.loads((variant / "config.json").read_text())
+    (variant / "config.json").write_text(json.dumps({**config, "model_type": "nosucharch"}))
+    with pytest.raises(UnservedModelError, match="model type 'nosucharch' is not served"):
+        load_model(variant)  # refused before anything is built
+    del config["hidden_size"]  # a served family whose config mlx-lm cannot build
+    (variant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="mlx-lm cannot build model type 'llama'.*hidden_size"):
         load_model(variant)
 
 
@@ -118,7 +125,7 @@ def test_rope_variants_take_per_token_positions(model_dir, weights, tmp_path, sc
     from vllm_metal.models.attention_adapter import check_rope
 
     model = load_model(_with_rope_scaling(model_dir, tmp_path, weights, scaling))
-    check_rope(model.model.layers[0].self_attn.rope(), model.head_dim)  # the load ran it too
+    check_rope(model.model.layers[0].self_attn.rope(), model.layer_kv[0].head_dim)  # the load ran it too
 
 
 def test_warm_up_failure_stops_start_up_with_the_model_named(model_dir, monkeypatch):
@@ -170,6 +177,6 @@ def test_doctor_says_up_front_whether_a_model_is_served(model_dir, weights, tmp_
     assert cli.main(["doctor", "--model", str(variant)]) == 1
     out = capsys.readouterr().out
     assert "(llama): refused: " in out and "DynamicNTKScalingRoPE" in out
-    (variant / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    (variant / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
     assert cli.main(["doctor", "--model", str(variant)]) == 1
-    assert "(gpt_oss): refused: " in capsys.readouterr().out
+    assert "(qwen3_next): refused: UnservedModelError: model type 'qwen3_next' is not served" in capsys.readouterr().out

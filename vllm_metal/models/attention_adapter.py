@@ -43,6 +43,10 @@ class PagedKVCache:
     # Hook for VLLM_METAL_SYNC_PER_LAYER: called with each layer's outputs.
     after_layer: object = field(default=None, repr=False)
 
+    def arrays(self) -> list[mx.array]:
+        """Every cache array (layers sharing another's cache, and MLA's absent V, hold None)."""
+        return [a for a in self.keys + self.values if a is not None]
+
     def layer_views(self) -> list["LayerCacheView"]:
         return [LayerCacheView(self, i) for i in range(len(self.keys))]
 
@@ -53,6 +57,14 @@ class LayerCacheView:
     def __init__(self, store: PagedKVCache, layer: int):
         self.store = store
         self.layer = layer
+
+    # mlx-lm models read `cache.offset` (the first new token's position in
+    # their one-sequence cache) to build masks and RoPE offsets. The paged
+    # path replaces both -- masks live in the primitive, RoPE rotates each
+    # token at its own position in the adapter -- so 0 is what such code
+    # sees. A family that uses the offset for anything else gets its own
+    # module (ministral3's query scale); its parity test is what proves it.
+    offset = 0
 
     def make_mask(self, *args, **kwargs):
         return None  # masking is inside the paged primitive
@@ -115,6 +127,8 @@ class PagedAttentionLayer(nn.Module):
         self.inner = inner
         self.sliding_window = sliding_window
         self._names = names
+        self.kv_layout = "kv"  # separate K and V caches [blocks, block_size, kv_heads, head_dim]
+        self.owns_kv = True  # writes its own K/V (gemma4's shared layers read an earlier layer's)
         self.n_heads = int(getattr(inner, names["n_heads"]))
         self.num_kv_heads = int(getattr(inner, names["n_kv_heads"]))
         q_rows = inner.qkv_proj.weight.shape[0] if self.packed_qkv else inner.q_proj.weight.shape[0]
@@ -128,6 +142,13 @@ class PagedAttentionLayer(nn.Module):
         # gemma2's attention logit softcap: tanh(s / c) * c on the scaled
         # scores, as the primitive's `softcap` does.
         self.softcap = getattr(inner, "attn_logit_softcapping", None)
+        # gpt_oss's attention sinks: one learned logit per query head that
+        # joins the softmax denominator (the primitive's `sinks`).
+        sinks = getattr(inner, "sinks", None)
+        if sinks is not None and tuple(sinks.shape) != (self.n_heads,):
+            raise NotImplementedError(f"{type(inner).__name__}: sinks of shape {tuple(sinks.shape)}, expected "
+                                      f"one per query head ({self.n_heads})")
+        self.has_sinks = sinks is not None
         # NoPE layers: exaone4's global layers have no `rope`; cohere2 keeps a
         # `rope` but applies it on its sliding layers only.
         rope = getattr(inner, "rope", None)
@@ -138,6 +159,7 @@ class PagedAttentionLayer(nn.Module):
             raise NotImplementedError(f"attention module {type(inner).__name__} has no rope and does not say "
                                       "it is a NoPE layer")
         self.uses_rope = rope is not None
+        self.rope_dims = self.head_dim
         # q/k norms: per head (qwen3, gemma3) or over the whole projection
         # before the heads are split (olmo2, olmoe): told apart by the norm's size.
         norm = getattr(inner, names["q_norm"]) if names["q_norm"] else None
@@ -160,6 +182,10 @@ class PagedAttentionLayer(nn.Module):
     def rope(self):
         """The RoPE module this layer applies, or None (NoPE)."""
         return getattr(self.inner, "rope", None) if self.uses_rope else None
+
+    def scale_queries(self, q: mx.array, step: StepAttentionInputs) -> mx.array:
+        """Hook for a family that scales queries per token after RoPE (ministral3)."""
+        return q
 
     def __call__(self, x: mx.array, mask=None, cache: LayerCacheView | None = None) -> mx.array:
         a, names = self.inner, self._names
@@ -185,6 +211,7 @@ class PagedAttentionLayer(nn.Module):
             k = a.rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :]
         if hasattr(a, "query_layernorm"):  # hunyuan_v1_dense: per-head norms after RoPE
             q, k = a.query_layernorm(q), a.key_layernorm(k)
+        q = self.scale_queries(q, step)
 
         layer, group = cache.layer, store.layer_group[cache.layer]
         kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
@@ -192,7 +219,8 @@ class PagedAttentionLayer(nn.Module):
         store.keys[layer], store.values[layer] = kc, vc
         out = ops.paged_attention(q.astype(kc.dtype), kc, vc, step.block_tables[group], step.seq_lens,
                                   step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window,
-                                  softcap=self.softcap)
+                                  softcap=self.softcap,
+                                  sinks=a.sinks.astype(mx.float32) if self.has_sinks else None)
         out = getattr(a, names["o_proj"])(out.reshape(1, n, -1).astype(x.dtype))
         if store.after_layer is not None:
             store.after_layer(out, kc, vc)

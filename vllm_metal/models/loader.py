@@ -7,6 +7,7 @@ reproduce, gets a clear NotImplementedError naming what is missing.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,10 +16,24 @@ from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from vllm_metal.models.attention_adapter import PagedAttentionLayer, check_rope  # noqa: E402
+import numpy as np  # noqa: E402
+
+from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
+                                                 StepAttentionInputs, check_rope)
 from vllm_metal.models.registry import check_served  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's paged cache: what it stores per token, or whose it reads."""
+
+    num_kv_heads: int
+    head_dim: int  # K's head size (MLA: kv_lora_rank + rope dims, one latent row per token)
+    layout: str = "kv"  # "kv": separate K and V caches; "latent": one cache (MLA), V = its first v_head_dim
+    v_head_dim: int | None = None  # V's head size where it differs from head_dim (MLA)
+    source: int | None = None  # reads this earlier layer's cache instead of its own (gemma4's KV sharing)
 
 
 @dataclass
@@ -29,10 +44,52 @@ class LoadedModel:
     config: dict
     dtype: mx.Dtype
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    layer_kv: list[LayerKV]  # per layer
     sliding_windows: list[int | None]  # per layer
     quantized: bool  # weights still MLX-quantized after loading
+
+    def kv_summary(self) -> str:
+        """The cache shapes in words: '3 KV heads of 64' where every layer is
+        alike, else per kind ('4 layers: 1 KV heads of 16, 2 layers: ...')."""
+        own = [kv for kv in self.layer_kv if kv.source is None]
+        kinds = {}
+        for kv in own:
+            text = (f"latent rows of {kv.head_dim} (V: first {kv.v_head_dim})" if kv.layout == "latent"
+                    else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
+            kinds[text] = kinds.get(text, 0) + 1
+        shared = len(self.layer_kv) - len(own)
+        if len(kinds) == 1 and not shared:
+            return next(iter(kinds))
+        return ", ".join(f"{n} layers: {text}" for text, n in kinds.items()) + (
+            f", {shared} layers reading earlier layers' caches" if shared else "")
+
+    def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int]) -> PagedKVCache:
+        """Zeroed paged caches for every layer that has its own (group g's
+        layers use block size block_sizes[g]); MLA layers get their one latent
+        cache only (values[i] None), layers sharing another's cache none."""
+        keys, values = [], []
+        for kv, g in zip(self.layer_kv, layer_group):
+            shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
+            keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
+            values.append(mx.zeros(shape, dtype=self.dtype) if kv.source is None and kv.layout == "kv" else None)
+        cache = PagedKVCache(keys, values, layer_group)
+        mx.eval(cache.arrays())
+        return cache
+
+    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array:
+        """One packed step (step_inputs.StepInputs) through every layer and the
+        head: lazy float32 logits of the hidden rows `logit_rows`; the caches
+        in `kv` are replaced by their written versions (evaluate them with the
+        logits)."""
+        kv.step = StepAttentionInputs(
+            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
+            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
+            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings)
+        try:
+            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
+        finally:
+            kv.step = None
 
     def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
         """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""
@@ -87,12 +144,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     path = resolve_model_dir(str(model_dir))
+    check_served(_model_type(path))  # before building anything: one message naming the family
     try:
         model, config = mlx_lm_load_model(path, lazy=not materialize)
-    except ValueError as e:
+    except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
         raise NotImplementedError(f"mlx-lm cannot build model type "
-                                  f"{_model_type(path)!r}: {e}") from e
-    check_served(config.get("model_type"))
+                                  f"{_model_type(path)!r} from {path / 'config.json'}: "
+                                  f"{type(e).__name__}: {e}") from e
+    family = check_served(config.get("model_type"))
+    attention_class = (importlib.import_module(f"vllm_metal.models.{family.module}").Attention
+                       if family.module else PagedAttentionLayer)
     if dequantize and _has_quantized(model):
         model = dequantize_model(model)
     model.set_dtype(DTYPES[dtype])  # floating parameters only; quantized ints stay
@@ -102,24 +163,23 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if inner is None or layers is None or not hasattr(inner, "embed_tokens"):
         raise NotImplementedError(f"model type {config.get('model_type')!r}: expected an mlx-lm "
                                   "decoder with .model.embed_tokens and .layers")
-    windows = []
+    windows, layer_kv = [], []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "
                                       "self_attn (not a plain attention decoder)")
         window = sliding_window_of(model, i, layer, attn, config)
-        layer.self_attn = PagedAttentionLayer(attn, window)
+        layer.self_attn = attention_class(attn, window)
         windows.append(window)
-    first = layers[0].self_attn
-    head_dim = first.kv_head_dim
+        layer_kv.append(_layer_kv(layer.self_attn, i, inner, windows, layer_kv, config))
     checked = set()
     for layer in layers:
         rope = layer.self_attn.rope()
         if rope is not None and id(rope) not in checked:
             checked.add(id(rope))
             try:
-                check_rope(rope, head_dim)
+                check_rope(rope, layer.self_attn.rope_dims)
             except NotImplementedError as e:
                 rope_config = config.get("rope_scaling") or config.get("rope_parameters")
                 raise NotImplementedError(
@@ -128,8 +188,26 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if materialize:
         mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
-                       num_kv_heads=first.num_kv_heads, head_dim=head_dim, sliding_windows=windows,
-                       quantized=_has_quantized(model))
+                       layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model))
+
+
+def _layer_kv(attention, index: int, inner: nn.Module, windows: list, earlier: list[LayerKV],
+              config: dict) -> LayerKV:
+    """What layer `index` caches. A layer without K/V projections of its own
+    (gemma4's KV-shared layers) reads the cache of the earlier layer mlx-lm's
+    decoder routes to it (`previous_kvs`), which must attend alike."""
+    source = None
+    if not attention.owns_kv:
+        routes = getattr(inner, "previous_kvs", None)
+        source = routes[index] if routes is not None else None
+        if source is None or source >= index or earlier[source].source is not None:
+            raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {index} has no K/V of "
+                                      "its own and no earlier layer it reads them from")
+        if windows[source] != windows[index]:
+            raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {index} shares layer "
+                                      f"{source}'s cache but not its window")
+    return LayerKV(num_kv_heads=attention.num_kv_heads, head_dim=attention.kv_head_dim, layout=attention.kv_layout,
+                   v_head_dim=attention.v_head_dim if attention.kv_layout == "latent" else None, source=source)
 
 
 def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.Module, config: dict) -> int | None:
@@ -145,8 +223,10 @@ def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.M
         if sliding is None:
             sliding = getattr(attn, name, None)
     args = getattr(model, "args", None)
-    layer_types = getattr(args, "layer_types", None)
-    if sliding is None and layer_types:  # olmo3: only the model's parsed layer_types say it
+    # olmo3: only the model's parsed layer_types say it; gpt_oss: only its
+    # decoder's (a default pattern when the config has none).
+    layer_types = getattr(args, "layer_types", None) or getattr(getattr(model, "model", None), "layer_types", None)
+    if sliding is None and layer_types:
         sliding = layer_types[index] == "sliding_attention"
     if not sliding:
         return None

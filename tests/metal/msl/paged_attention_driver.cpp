@@ -19,21 +19,26 @@ using namespace vllm_metal;
 
 namespace {
 
-enum Dim { kTokens, kHeads, kHeadDim, kBlocks, kBlockSize, kKvHeads, kSeqs, kMaxBlocks, kDims };
-enum Input { kQ, kK, kV, kBlockTables, kSeqLens, kCuSeqlensQ, kInputs };
+enum Dim {
+  kTokens, kHeads, kHeadDim, kBlocks, kBlockSize, kKvHeads, kSeqs, kMaxBlocks, kVHeadDim, kDims
+};
+enum Input { kQ, kK, kV, kBlockTables, kSeqLens, kCuSeqlensQ, kSinks, kInputs };
 
 } // namespace
 
 // dims: see Dim. strides: q[3], k[4], v[4], block_tables[2], seq_lens,
-// cu_seqlens_q (elements). Input i is the view at element offsets[i] of the
-// base buffer bases[i] (base_bytes[i] bytes). info receives {1 if the prefill
+// cu_seqlens_q, sinks (elements). Input i (see Input) is the view at element
+// offsets[i] of the base buffer bases[i] (base_bytes[i] bytes); the sinks
+// (float32) are read only when has_sinks, else q sits in their slot, as in
+// eval_gpu. info receives {1 if the prefill
 // kernel is dispatched (after decode), decode partitions}. kernels: bit 0
 // runs decode (and reduce), bit 1 prefill; eval_gpu runs both (3), tests run
 // one to see which rows each writes. Returns 0, or 1 with a message.
 extern "C" int vm_paged_attention(
     const char* dtype_name, int itemsize, const int64_t* dims, const int64_t* strides,
     void* const* bases, const uint64_t* base_bytes, const int64_t* offsets, float scale,
-    int sliding_window, float softcap, int partition_size, int at_start, uint64_t seed,
+    int sliding_window, float softcap, int has_sinks, int partition_size, int at_start,
+    uint64_t seed,
     int workers, int kernels, void* out, int64_t* info, char* error, uint64_t error_bytes) {
   try {
     PagedAttentionArgs args{};
@@ -43,9 +48,11 @@ extern "C" int vm_paged_attention(
     for (int i = 0; i < 2; ++i) args.block_table_strides[i] = strides[11 + i];
     args.seq_lens_stride = strides[13];
     args.cu_seqlens_q_stride = strides[14];
+    args.sinks_stride = has_sinks ? strides[15] : 0;
     args.num_tokens = int(dims[kTokens]);
     args.num_heads = int(dims[kHeads]);
     args.head_dim = int(dims[kHeadDim]);
+    args.v_head_dim = int(dims[kVHeadDim]);
     args.num_blocks = int(dims[kBlocks]);
     args.block_size = int(dims[kBlockSize]);
     args.num_kv_heads = int(dims[kKvHeads]);
@@ -54,8 +61,9 @@ extern "C" int vm_paged_attention(
     args.scale = scale;
     args.sliding_window = sliding_window;
     args.softcap = softcap;
+    args.has_sinks = has_sinks != 0 ? 1 : 0;
 
-    const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.head_dim * itemsize;
+    const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.v_head_dim * itemsize;
     PlanOverrides overrides;
     overrides.partition_size = partition_size;
     const PagedAttentionPlan plan = plan_paged_attention(args, dtype_name, out_bytes, overrides);
@@ -66,14 +74,18 @@ extern "C" int vm_paged_attention(
     }
 
     std::vector<std::unique_ptr<msl_rt::GuardedBuffer>> inputs;
-    void* buffers[9] = {};
-    const int slots[kInputs] = {kQBuffer, kKeyCacheBuffer, kValueCacheBuffer,
-                                kBlockTablesBuffer, kSeqLensBuffer, kCuSeqlensQBuffer};
+    void* buffers[10] = {};
+    const int slots[kInputs] = {kQBuffer,       kKeyCacheBuffer,   kValueCacheBuffer,
+                                kBlockTablesBuffer, kSeqLensBuffer, kCuSeqlensQBuffer,
+                                kSinksBuffer};
     for (int i = 0; i < kInputs; ++i) {
       inputs.push_back(std::make_unique<msl_rt::GuardedBuffer>(base_bytes[i], at_start != 0));
       std::memcpy(inputs.back()->data(), bases[i], base_bytes[i]);
-      const int elem = i <= kV ? itemsize : int(sizeof(int32_t));
+      const int elem = i <= kV ? itemsize : int(sizeof(int32_t));  // (float32 sinks: 4 too)
       buffers[slots[i]] = inputs.back()->data() + offsets[i] * elem;
+    }
+    if (!has_sinks) {
+      buffers[kSinksBuffer] = buffers[kQBuffer];
     }
     msl_rt::GuardedBuffer args_buffer(sizeof(PagedAttentionArgs), at_start != 0);
     std::memcpy(args_buffer.data(), &plan.args, sizeof(PagedAttentionArgs));
@@ -108,7 +120,8 @@ extern "C" int vm_paged_attention(
 }
 
 // The kernel name eval_gpu asks MLX for (kind: decode, prefill or reduce).
-extern "C" void vm_kernel_name(const char* kind, const char* dtype_name, int head_dim, char* out,
-                               uint64_t out_bytes) {
-  std::snprintf(out, out_bytes, "%s", kernel_name(kind, dtype_name, head_dim).c_str());
+extern "C" void vm_kernel_name(const char* kind, const char* dtype_name, int head_dim,
+                               int v_head_dim, char* out, uint64_t out_bytes) {
+  std::snprintf(out, out_bytes, "%s",
+                kernel_name(kind, dtype_name, head_dim, v_head_dim).c_str());
 }
