@@ -126,6 +126,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                                 "original_max_position_embeddings": 64,
                                                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                                                 "mscale_all_dim": 1.0})),
+    # Kimi K2 checkpoints: model_type kimi_k2, DeepSeek-V3's architecture.
+    "kimi_k2": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=2,
+                                              n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                              first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                              topk_method="noaux_tc", rope_scaling=None)),
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", dict(MLA, q_lora_rank=48, n_routed_experts=4,
                                                      num_experts_per_tok=2, n_shared_experts=1,
                                                      moe_intermediate_size=32, first_k_dense_replace=1,

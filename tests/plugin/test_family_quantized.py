@@ -74,3 +74,19 @@ def test_quantized_family_matches_mlx_lm(model_type, model_dir, tmp_path):
                                err_msg=f"{model_type} {bits}-bit g{group_size}: prompt log-probabilities")
     chosen = ref[len(PROMPT) - 1:][np.arange(NUM_TOKENS), tokens]
     assert (chosen >= ref[len(PROMPT) - 1:].max(axis=1) - TOL).all(), f"{model_type}: a token is not mlx-lm's argmax"
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_kept_quantized(model_type, model_dir, tmp_path):
+    # As Metal serves it: weights stay MLX-quantized. deepseek_v2's kv_b_proj
+    # is a QuantizedLinear that mla.py expands once to absorb it; deepseek_v3's
+    # embed_q / unembed_out are mlx-lm's QuantizedMultiLinear, run as they are.
+    variant = build(model_type, tmp_path / model_type, model_dir, bits=4, group_size=32)
+    loaded = load_model(variant, dtype="float32", dequantize=False)
+    assert loaded.quantized
+    got, tokens = paged_run(loaded, PROMPT, NUM_TOKENS)
+    ref = reference_logprobs(variant)(PROMPT + tokens[:-1])
+    rows = np.arange(len(PROMPT) - 1)
+    np.testing.assert_allclose(got[rows, PROMPT[1:]], ref[rows, PROMPT[1:]], atol=TOL)
+    chosen = ref[len(PROMPT) - 1:][np.arange(NUM_TOKENS), tokens]
+    assert (chosen >= ref[len(PROMPT) - 1:].max(axis=1) - TOL).all()

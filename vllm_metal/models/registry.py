@@ -90,6 +90,8 @@ SERVED: dict[str, Family] = {
     "deepseek_v3": Family("latent KV cache with mlx-lm's absorbed embed_q / unembed_out, q LoRA, sigmoid "
                           "group routing with a correction bias, shared experts", attention="mla", moe=True,
                           module="mla"),
+    "kimi_k2": Family("Kimi K2's model_type: mlx-lm builds it as deepseek_v3 (latent attention, sigmoid group "
+                      "routing), vLLM reads its config as DeepSeek-V3's", attention="mla", moe=True, module="mla"),
     "minicpm3": Family("latent KV cache (kv_b_proj absorbed at load), embedding / depth scaling, "
                        "v_head_dim = hidden / heads", attention="mla", module="mla"),
     "glm4_moe_lite": Family("latent KV cache with mlx-lm's absorbed embed_q / unembed_out, shared experts",
