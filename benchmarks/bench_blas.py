@@ -1,9 +1,12 @@
 """Before/after of the Linux BLAS fix (vllm_metal/fast_blas.py), reported not asserted.
 
-Runs the same measurements in two fresh processes, one with MLX's bundled
-reference BLAS (VLLM_METAL_BLAS=reference) and one with OpenBLAS preloaded:
-float32 GEMM throughput, and a prefill (128 tokens) and a decode step of the
-embedded SmolLM2-135M (weights expanded to float32, as served on the CPU).
+Runs the same measurements in fresh processes, one per VLLM_METAL_BLAS
+setting: MLX's bundled reference BLAS (`reference`), the system OpenBLAS alone
+(`system`) and the default (`auto`: vllm-metal's BLAS shim to numpy's
+OpenBLAS, the system OpenBLAS for LAPACK): float32 GEMM throughput, a
+one-row product x[1,K] @ W^T (the decode shape), and a prefill (128 tokens)
+and a decode step of the embedded SmolLM2-135M (weights expanded to float32,
+as served on the CPU).
 
     python benchmarks/bench_blas.py
 """
@@ -32,6 +35,8 @@ def timeit(fn, reps=3):
 
 a, b = mx.random.normal((512, 576)), mx.random.normal((576, 1536)); mx.eval(a, b)
 gemm = timeit(lambda: mx.eval(a @ b))
+x, w = mx.random.normal((1, 4096)), mx.random.normal((8192, 4096)); mx.eval(x, w)
+gemv = timeit(lambda: mx.eval(x @ w.T), reps=20)
 lm = load_model(ensure_default_model(), "float32", dequantize=True)
 kv = PagedKVCache([mx.zeros((16, 16, 3, 64)) for _ in range(30)], [mx.zeros((16, 16, 3, 64)) for _ in range(30)], [0] * 30)
 def step(n, start):
@@ -42,6 +47,7 @@ def step(n, start):
     mx.eval(lm.logits(h[-1:]), kv.keys, kv.values)
 print(json.dumps({"blas": fast_blas.status[0] or fast_blas.status[1],
                   "gemm_gflops": 2 * 512 * 576 * 1536 / gemm / 1e9,
+                  "gemv_gbs": 8192 * 4096 * 4 / gemv / 1e9,
                   "prefill128_ms": timeit(lambda: step(128, 0)) * 1e3,
                   "decode_ms": timeit(lambda: step(1, 128), reps=10) * 1e3}))
 """
@@ -53,14 +59,26 @@ def run(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+MODES = (("reference", "mlx-cpu reference BLAS"), ("system", "system OpenBLAS (preloaded)"),
+         ("auto", "BLAS shim to numpy's OpenBLAS (default)"))
+
+
 def main():
-    ref, fast = run("reference"), run("auto")
-    print("| BLAS | fp32 GEMM 512x576x1536 | SmolLM2 prefill 128 tok | SmolLM2 decode step |")
-    print("|---|---:|---:|---:|")
-    for name, r in (("mlx-cpu reference BLAS", ref), ("OpenBLAS (preloaded)", fast)):
-        print(f"| {name} | {r['gemm_gflops']:.1f} GFLOP/s | {r['prefill128_ms']:.0f} ms | {r['decode_ms']:.1f} ms |")
-    print(f"\nspeed-up: GEMM {fast['gemm_gflops'] / ref['gemm_gflops']:.0f}x, prefill "
-          f"{ref['prefill128_ms'] / fast['prefill128_ms']:.0f}x, decode {ref['decode_ms'] / fast['decode_ms']:.1f}x")
+    results = {mode: run(mode) for mode, _ in MODES}
+    print("| BLAS | fp32 GEMM 512x576x1536 | x[1,4096] @ W[8192,4096]^T | SmolLM2 prefill 128 tok "
+          "| SmolLM2 decode step |")
+    print("|---|---:|---:|---:|---:|")
+    for mode, name in MODES:
+        r = results[mode]
+        print(f"| {name} | {r['gemm_gflops']:.1f} GFLOP/s | {r['gemv_gbs']:.1f} GB/s | "
+              f"{r['prefill128_ms']:.0f} ms | {r['decode_ms']:.1f} ms |")
+    ref = results["reference"]
+    for mode, name in MODES[1:]:
+        fast = results[mode]
+        print(f"\n{name} vs reference: GEMM {fast['gemm_gflops'] / ref['gemm_gflops']:.0f}x, prefill "
+              f"{ref['prefill128_ms'] / fast['prefill128_ms']:.0f}x, decode "
+              f"{ref['decode_ms'] / fast['decode_ms']:.1f}x")
+    print("\nlibraries: " + "; ".join(f"{mode}: {results[mode]['blas']}" for mode, _ in MODES))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The fast BLAS is loaded before MLX whichever vllm_metal module is imported
-first (each in a fresh interpreter), and importing mlx before vllm_metal is
+"""The fast BLAS (the BLAS shim to numpy's OpenBLAS, and the system OpenBLAS) is
+loaded before MLX whichever vllm_metal module is imported first (each in a fresh
+interpreter), and importing mlx before vllm_metal is
 reported loudly instead of silently running 30-50x slower matmuls."""
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import vllm_metal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS preload is Linux-only")
 
+# Every importable module (the BLAS shim, a plain shared library beside the
+# extension, looks like one to pkgutil but is not Python).
 MODULES = sorted(m.name for m in pkgutil.walk_packages(vllm_metal.__path__, "vllm_metal.")
-                 if not m.name.endswith("__main__"))
+                 if not m.name.endswith("__main__") and not m.name.endswith("blas_shim"))
 
 PROBE = """
 import json, sys
@@ -26,7 +29,8 @@ import {module}
 import mlx.core as mx
 from vllm_metal import fast_blas
 maps = open("/proc/self/maps").read()
-print(json.dumps({{"status": list(fast_blas.status), "openblas_mapped": "libopenblas" in maps}}))
+print(json.dumps({{"status": list(fast_blas.status), "openblas_mapped": "libopenblas" in maps,
+                  "shim_mapped": fast_blas.SHIM_NAME in maps}}))
 """
 
 
@@ -49,6 +53,7 @@ def test_fast_blas_whatever_is_imported_first(module):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["status"][0] and "openblas" in got["status"][0], got
     assert got["openblas_mapped"]
+    assert got["shim_mapped"], got  # MLX's matmuls go to numpy's OpenBLAS through the shim
 
 
 def test_mlx_before_vllm_metal_warns_loudly():

@@ -97,7 +97,7 @@ def capabilities() -> dict:
 
         metal = bool(mx.metal.is_available())
         report["mlx"].update(default_device=str(mx.default_device()), metal_available=metal,
-                             blas=fast_blas.status[0] or fast_blas.status[1])
+                             blas=fast_blas.summary())
         report["extension"].update(metal_kernels=bool(ops._ext.HAS_METAL), loaded=True)
         if device == "gpu" and not metal:
             problems.append("VLLM_METAL_DEVICE=gpu but MLX has no Metal device here")
@@ -132,7 +132,7 @@ def short_report(device: str) -> str:
     import mlx.core as mx
 
     name, reason = ops.attention_path(mx.gpu if device == "gpu" else mx.cpu)
-    blas = fast_blas.status[0] or fast_blas.status[1]
+    blas = fast_blas.summary()
     return (f"MLX {installed_mlx()} on {device}; attention: {name} ({reason}); "
             f"Metal kernels {'compiled' if ops._ext.HAS_METAL else 'not compiled'}; "
             f"BLAS: {blas}; {sum(p.on_request == 'warn' for p in CUDA_PATHS)} CUDA-only paths inert, "

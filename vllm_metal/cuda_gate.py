@@ -71,8 +71,12 @@ def _lora(cfg) -> str | None:
 
 
 def _kv_transfer(cfg) -> str | None:
+    from vllm_metal.kv.connector_config import is_ours
+
     kt = getattr(cfg, "kv_transfer_config", None)
-    return f"--kv-transfer-config (kv_connector={getattr(kt, 'kv_connector', None)})" if kt is not None else None
+    if kt is None or is_ours(kt):  # the disk KV cache reads and writes MLX caches
+        return None
+    return f"--kv-transfer-config (kv_connector={getattr(kt, 'kv_connector', None)})"
 
 
 def _kv_offloading(cfg) -> str | None:
@@ -154,11 +158,14 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
     CudaPath("lora", "LoRA adapters (punica kernels)", "vLLM applies adapters with Triton/CUDA punica kernels "
              "on torch layers, and the model here is MLX: an adapter would be silently ignored",
              "merge the adapter into the weights (mlx_lm.fuse) and serve the fused model", "error", _lora),
-    CudaPath("kv_connector", "KV connectors (disaggregated prefill, LMCache, NIXL, ...)",
+    CudaPath("kv_connector", "KV connectors other than vllm-metal's disk cache (disaggregated prefill, LMCache, "
+             "NIXL, ...)",
              "connectors move KV blocks as torch device tensors; the cache here is MLX arrays",
-             "serve without --kv-transfer-config", "error", _kv_transfer),
+             "serve without --kv-transfer-config; vllm-metal's own MetalDiskConnector (VLLM_METAL_KV_DISK, "
+             "docs/kv_disk.md) is the one accepted", "error", _kv_transfer),
     CudaPath("kv_offloading", "KV-cache offloading", "the offloading connectors copy torch device tensors",
-             "the KV cache lives in unified memory already; drop --kv-offloading-size", "error", _kv_offloading),
+             "the KV cache lives in unified memory already; drop --kv-offloading-size (for a cache that "
+             "survives restarts: VLLM_METAL_KV_DISK)", "error", _kv_offloading),
     CudaPath("pooling", "pooling / embedding / scoring models", "the runner produces tokens only",
              "serve the model for generation (drop --runner pooling / --convert)", "error", _pooling,
              kind="unserved"),

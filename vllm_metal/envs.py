@@ -28,8 +28,10 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
     ),
     "VLLM_METAL_BLAS": (
         "auto",
-        "Linux only: 'auto' loads an optimized OpenBLAS before MLX, a path loads that "
-        "library, 'reference' keeps the mlx-cpu wheel's slow reference BLAS.",
+        "Linux only: 'auto' gives MLX's matmuls numpy's OpenBLAS through vllm-metal's BLAS "
+        "shim and loads the system OpenBLAS for the rest (LAPACK), before MLX; 'system' only "
+        "the system OpenBLAS; a path loads that library; 'reference' keeps the mlx-cpu "
+        "wheel's slow reference BLAS.",
     ),
     "VLLM_METAL_DEQUANTIZE": (
         "auto",
@@ -39,6 +41,17 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
     "VLLM_METAL_CPU_THREADS": (
         None,
         "Threads used by the CPU paged-attention kernel (default: all cores).",
+    ),
+    "VLLM_METAL_KV_DISK": (
+        None,
+        "A directory: turns on the disk KV cache (prefix blocks saved and restored across "
+        "restarts, docs/kv_disk.md) with its defaults; same as --kv-transfer-config with "
+        "vllm-metal's MetalDiskConnector.",
+    ),
+    "VLLM_METAL_KV_DISK_MAX_BYTES": (
+        None,
+        "Size bound of the VLLM_METAL_KV_DISK directory in bytes (least recently used blocks "
+        "are evicted; default 16 GiB).",
     ),
     "VLLM_METAL_MODEL_DIR": (
         None,

@@ -1,24 +1,57 @@
 """Gives MLX's CPU device an optimized BLAS on Linux.
 
 The `mlx-cpu` wheel links a bundled *reference* BLAS (~3 GFLOP/s for sgemm on
-this class of machine). Loading an optimized OpenBLAS with RTLD_GLOBAL before
+this class of machine). Loading optimized libraries with RTLD_GLOBAL before
 `mlx.core` is first imported makes the dynamic linker bind MLX's cblas/LAPACK
-symbols to it instead (measured 30-50x faster matmul). It must run before
-anything imports mlx.core; once MLX is loaded the bindings are fixed.
-`import vllm_metal` arms a hook that runs it just before `mlx.core` loads,
-so the order of vllm_metal's own imports does not matter; importing
-`mlx.core` before any vllm_metal module does, and `vllm_metal.ops` then warns.
+symbols to them instead. It must run before anything imports mlx.core; once
+MLX is loaded the bindings are fixed. `import vllm_metal` arms a hook that
+runs it just before `mlx.core` loads, so the order of vllm_metal's own
+imports does not matter; importing `mlx.core` before any vllm_metal module
+does, and `vllm_metal.ops` then warns.
 
-Which library: VLLM_METAL_BLAS=auto (default) tries Debian/Ubuntu's
-libopenblas0-pthread, then any libopenblas the loader finds; a path loads that
-file; "reference" keeps MLX's bundled BLAS. macOS uses Accelerate/Metal and
-needs none of this.
+MLX's CPU backend imports three BLAS routines, `cblas_sgemm`, `cblas_dgemm`
+and `cblas_cgemm` (every matmul, one-row decode products included, is an
+sgemm), plus some LAPACK routines (linalg only). With VLLM_METAL_BLAS=auto
+(the default) two libraries are loaded, in this order:
+
+1. vllm-metal's BLAS shim (`libvllm_metal_blas_shim.so`, csrc/blas_shim.c,
+   built with the extension): it exports those three LP64 cblas routines and
+   forwards them to the OpenBLAS numpy bundles (numpy.libs/
+   libscipy_openblas64_*.so: a newer OpenBLAS, with AVX-512 kernels, whose
+   symbols are renamed and take 64-bit integers, so MLX cannot bind to it
+   directly). An sgemm of one or two rows, i.e. a decode product
+   x[M,K] @ W^T at batch 1 or 2, is forwarded as one sgemv per row (and a
+   one-column sgemm as one sgemv): OpenBLAS's sgemm packs W first and streams
+   it at a fraction of memory bandwidth, its sgemv does not (at 4 and more
+   rows, reading W once per row costs more). Loaded first, the shim wins the
+   binding.
+2. Debian/Ubuntu's libopenblas0-pthread (or any libopenblas the loader
+   finds), for everything else MLX imports (LAPACK).
+
+Measured on the 2-core AMD EPYC this was developed on (docs/benchmarks.md,
+"BLAS shim"): the shim is faster than Debian's OpenBLAS 0.3.21 alone for
+both decode-shaped and prefill-shaped products. Either part may be missing:
+without the shim (not built, or numpy without its OpenBLAS) the system
+OpenBLAS does everything, as before the shim existed; without a system
+OpenBLAS the shim does the matmuls and MLX's bundled LAPACK the rest.
+
+VLLM_METAL_BLAS: `auto` as above; `system` only the system OpenBLAS (no
+shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
+`status` says what happened (`vllm-metal doctor` prints `summary()`). macOS
+uses Accelerate/Metal and needs none of this.
+
+Threads: numpy's OpenBLAS sizes its pool to the cores (OPENBLAS_NUM_THREADS
+overrides it, for both libraries); MLX calls BLAS from its one CPU stream
+thread, and the paged-attention kernel's pool (VLLM_METAL_CPU_THREADS) runs
+between BLAS calls, not during them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
+import importlib.util
 import os
 import sys
 
@@ -28,16 +61,115 @@ _CANDIDATES = (
     "/usr/lib64/libopenblasp.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
+SHIM_NAME = "libvllm_metal_blas_shim.so"
 
-# What happened, for `vllm-metal doctor` and the docs: (library or None, note).
+# What happened, for `vllm-metal doctor` and the docs: (library doing MLX's
+# matmuls, or None; note).
 status: tuple[str | None, str] = (None, "not attempted")
-_handle = None
+# Every library loaded globally, by role: "shim", "gemm" (what the shim
+# forwards to), "system" (the system OpenBLAS).
+libraries: dict[str, str] = {}
+_handles: list[ctypes.CDLL] = []
+_shim: ctypes.CDLL | None = None
+_gemm_info = ""  # e.g. "OpenBLAS 0.3.30, SkylakeX kernels"
+
+
+def numpy_openblas() -> str | None:
+    """numpy's bundled ILP64 OpenBLAS (numpy.libs/), found without importing numpy."""
+    try:
+        spec = importlib.util.find_spec("numpy")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        libs = os.path.join(os.path.dirname(location), "numpy.libs")
+        for pattern in ("libscipy_openblas64_*.so*", "libopenblas64_*.so*"):
+            found = sorted(glob.glob(os.path.join(libs, pattern)))
+            if found:
+                return found[0]
+    return None
+
+
+def shim_path() -> str | None:
+    """The built shim library next to vllm_metal's extension, if any."""
+    import vllm_metal
+
+    for directory in vllm_metal.__path__:
+        path = os.path.join(directory, SHIM_NAME)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _bind_shim() -> str | None:
+    """Load the shim, point it at numpy's OpenBLAS, make it global. Returns why not, or None."""
+    global _shim, _gemm_info
+    shim, target = shim_path(), numpy_openblas()
+    if shim is None:
+        return f"{SHIM_NAME} is not built (pip install -e . builds it with the extension)"
+    if target is None:
+        return "numpy's bundled OpenBLAS (numpy.libs/libscipy_openblas64_*.so) not found"
+    try:
+        lib = ctypes.CDLL(shim, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        lib.vllm_metal_blas_shim_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.vllm_metal_blas_shim_init.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_target.restype = ctypes.c_char_p
+        lib.vllm_metal_blas_shim_calls.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_calls.restype = ctypes.c_longlong
+        lib.vllm_metal_blas_shim_set_gemv_max_rows.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_gemv_max_rows.restype = ctypes.c_int
+        err = ctypes.create_string_buffer(512)
+        if lib.vllm_metal_blas_shim_init(target.encode(), err, len(err)) != 0:
+            return f"{shim}: {err.value.decode(errors='replace')}"
+        # Now that its pointers are set, promote it to the global scope (ahead
+        # of the system OpenBLAS, loaded next) so libmlx's cblas_* bind here.
+        _handles.append(ctypes.CDLL(shim, mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD))
+    except (OSError, AttributeError) as e:
+        return f"{shim}: {e}"
+    _shim = lib
+    libraries.update(shim=shim, gemm=target)
+    _gemm_info = _openblas_info(target, lib.vllm_metal_blas_shim_target().decode())
+    return None
+
+
+def _openblas_info(path: str, sgemm_symbol: str) -> str:
+    """'OpenBLAS 0.3.30, SkylakeX kernels', from the target library's own config calls."""
+    prefix, suffix = sgemm_symbol.split("cblas_sgemm")
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        config, core = (getattr(lib, f"{prefix}openblas_get_{what}{suffix}") for what in ("config", "corename"))
+        config.restype = core.restype = ctypes.c_char_p
+        version = " ".join(config().decode().split()[:2])  # "OpenBLAS 0.3.30"
+        return f"{version}, {core().decode().strip()} kernels"
+    except (OSError, AttributeError):
+        return "OpenBLAS"
+
+
+def _load_system(candidates: list[str]) -> tuple[str | None, list[str]]:
+    errors = []
+    for path in candidates:
+        if "/" in path and not os.path.exists(path):
+            continue
+        try:
+            _handles.append(ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_GLOBAL))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        libraries["system"] = path
+        return path, errors
+    return None, errors
+
+
+def _system_candidates() -> list[str]:
+    found = ctypes.util.find_library("openblas")
+    return [*_CANDIDATES, *([found] if found else [])]
 
 
 def preload() -> tuple[str | None, str]:
-    """Load an optimized BLAS globally if possible. Idempotent; never raises."""
-    global status, _handle
-    if _handle is not None or status[1] != "not attempted":
+    """Load the optimized BLAS globally if possible. Idempotent; never raises."""
+    global status
+    if _handles or status[1] != "not attempted":
         return status
     if not sys.platform.startswith("linux"):
         status = (None, "not needed on this OS")
@@ -49,26 +181,47 @@ def preload() -> tuple[str | None, str]:
     if "mlx.core" in sys.modules:
         status = (None, TOO_LATE + "; MLX keeps its reference BLAS")
         return status
-    if choice == "auto":
-        found = ctypes.util.find_library("openblas")
-        candidates = [*_CANDIDATES, *([found] if found else [])]
+    why_no_shim = _bind_shim() if choice == "auto" else None
+    system, errors = _load_system(_system_candidates() if choice in ("auto", "system") else [choice])
+    if _shim is not None:
+        rest = (f"LAPACK from {system}" if system else
+                "LAPACK from MLX's bundled reference LAPACK (no system OpenBLAS found)")
+        status = (libraries["gemm"],
+                  f"cblas_sgemm/dgemm/cgemm through vllm-metal's shim ({libraries['shim']}) to numpy's "
+                  f"{_gemm_info}, 1-2-row products as sgemv; {rest}; loaded with RTLD_GLOBAL before mlx.core")
+    elif system:
+        status = (system, "loaded with RTLD_GLOBAL before mlx.core"
+                  + (f" (BLAS shim not used: {why_no_shim})" if why_no_shim else ""))
     else:
-        candidates = [choice]
-    errors = []
-    for path in candidates:
-        if "/" in path and not os.path.exists(path):
-            continue
-        try:
-            _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        status = (path, "loaded with RTLD_GLOBAL before mlx.core")
-        return status
-    hint = "install Debian's libopenblas0-pthread (apt-get install libopenblas0-pthread)"
-    status = (None, "no OpenBLAS found; MLX uses its slow reference BLAS; " + hint
-              + ("; " + "; ".join(errors) if errors else ""))
+        hint = "install Debian's libopenblas0-pthread (apt-get install libopenblas0-pthread)"
+        status = (None, "no OpenBLAS found; MLX uses its slow reference BLAS; " + hint
+                  + (f"; BLAS shim not used: {why_no_shim}" if why_no_shim else "")
+                  + ("; " + "; ".join(errors) if errors else ""))
     return status
+
+
+def summary() -> str:
+    """One line for `vllm-metal doctor` and the worker's start-up log."""
+    if _shim is not None:
+        return (f"{libraries['gemm']} ({_gemm_info}) for matmuls, through {SHIM_NAME}; "
+                f"LAPACK: {libraries.get('system', 'MLX bundled')}")
+    return status[0] or status[1]
+
+
+def shim_calls() -> dict[str, int] | None:
+    """How many calls the shim has forwarded (None when it is not bound)."""
+    if _shim is None:
+        return None
+    return {name: int(_shim.vllm_metal_blas_shim_calls(i))
+            for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm"))}
+
+
+def set_gemv_max_rows(rows: int) -> int | None:
+    """Forward sgemm with at most `rows` rows as one sgemv per row (0: never; default 2).
+    For benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
+    if _shim is None:
+        return None
+    return int(_shim.vllm_metal_blas_shim_set_gemv_max_rows(rows))
 
 
 TOO_LATE = "mlx.core was imported before vllm_metal"

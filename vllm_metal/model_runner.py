@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec)
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -43,6 +43,7 @@ class _PendingStep:
     logits: torch.Tensor  # [num_rows, vocab] float32: each row's last token
     discard: list[bool]  # rows still in chunked prefill: no token this step
     prompt_logprobs: dict[str, LogprobsTensors | None]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class MetalModelRunner:
@@ -65,6 +66,9 @@ class MetalModelRunner:
         self.forward_passes = 0
         self.evaluations = 0
         self._pending: _PendingStep | None = None
+        # The worker side of a KV connector (--kv-transfer-config: our disk
+        # cache), driven here as vLLM's GPU runner drives its connector.
+        self.kv_connector = None
 
     # ---- start-up -------------------------------------------------------
 
@@ -91,13 +95,21 @@ class MetalModelRunner:
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One spec per layer with a cache of its own (layers reading an
-        earlier layer's cache have none, as vLLM's KV sharing does)."""
+        earlier layer's cache have none, as vLLM's KV sharing does).
+        Linear-attention layers declare vLLM's Mamba-style state spec: one
+        slot per request (block size mamba_block_size, mode "none")."""
         m = self.mlx_model
         block_size = self.vllm_config.cache_config.block_size
         dtype = MX_TO_TORCH[m.dtype]
         specs: dict[str, KVCacheSpec] = {}
         for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
             if kv.source is not None:
+                continue
+            if kv.layout == "state":
+                cache = self.vllm_config.cache_config
+                specs[self.layer_name(i)] = MambaSpec(block_size=cache.mamba_block_size, shapes=kv.state_shapes,
+                                                      dtypes=(dtype, torch.float32),
+                                                      mamba_cache_mode=cache.mamba_cache_mode)
                 continue
             common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=dtype)
             if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)
@@ -106,6 +118,37 @@ class MetalModelRunner:
                 specs[self.layer_name(i)] = (SlidingWindowSpec(sliding_window=window, **common) if window
                                              else FullAttentionSpec(**common))
         return specs
+
+    def kv_bytes_ratio(self) -> float:
+        """How many bytes this runner allocates per byte vLLM plans for the
+        KV cache (>= 1). vLLM's hybrid manager lets one layer of each cache
+        group share a tensor (block ids never overlap between groups); MLX's
+        functional cache writes cannot alias, so every layer here has its own
+        arrays. The worker divides its budget by this so the memory really
+        used stays within it. 1.0 with a single group."""
+        from copy import deepcopy
+
+        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+        from vllm.v1.core.kv_cache_planning import _pool_bytes_per_block_from_builder, get_global_kv_cache_groups
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+        # The grouping vLLM's engine makes from these specs, and the bytes per
+        # block it divides the budget by (a private helper of vLLM 0.33's
+        # planner: tests/plugin/test_hybrid.py fails if its meaning changes).
+        groups = get_global_kv_cache_groups(self.vllm_config, [deepcopy(self.get_kv_cache_spec())])
+        if len(groups) <= 1:
+            return 1.0
+        planned_per_block = _pool_bytes_per_block_from_builder(
+            get_kv_cache_config_builder(self.vllm_config), self.vllm_config, groups)
+        ours_per_block = 0
+        for group in groups:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                ours_per_block += sum(spec.kv_cache_specs[name].real_page_size_bytes for name in group.layer_names)
+            else:
+                ours_per_block += len(group.layer_names) * spec.real_page_size_bytes
+        vllm_per_block = planned_per_block
+        return max(1.0, ours_per_block / vllm_per_block)
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         m = self.mlx_model
@@ -164,10 +207,42 @@ class MetalModelRunner:
         return np.array(logits, copy=False)
 
     def execute_model(self, so: SchedulerOutput):
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(so, None)
+        # vLLM's connector lifecycle (kv_connector_model_runner_mixin): bind
+        # the step's metadata, load before the forward, save after it, report
+        # finished transfers and load errors, clear.
+        connector.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            return self._execute(so, connector)
+        finally:
+            connector.clear_connector_metadata()
+
+    def _connector_output(self, so: SchedulerOutput, connector) -> KVConnectorOutput:
+        connector.wait_for_save()
+        results = connector.get_transfer_results(so.finished_req_ids)
+        return KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                 finished_recving=results.finished_recving or None,
+                                 failed_recving=results.failed_recving,
+                                 invalid_block_ids=connector.get_block_ids_with_load_errors())
+
+    def _execute(self, so: SchedulerOutput, connector):
         self.batch.update(so)
         self._pending = None
         if so.total_num_scheduled_tokens == 0 or not self.batch.rows:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if connector is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            # Nothing to compute: let saves in flight finish now, so finished
+            # requests are reported (their blocks freed) before the engine idles.
+            connector.fence()
+            return ModelRunnerOutput.with_kv_conn_output_only(self._connector_output(so, connector))
+        failed_loads: set[str] = set()
+        if connector is not None:
+            connector.start_load_kv(None)
+            # A request whose blocks did not load computed on a bad prefix this
+            # step: it samples nothing (vLLM recomputes it from the bad block).
+            failed_loads = connector.failed_load_req_ids
         states = self.batch.states()
         rows, discard, logit_rows, prompt_rows = [], [], [], []
         offset = 0
@@ -175,9 +250,10 @@ class MetalModelRunner:
             n = so.num_scheduled_tokens[state.req_id]
             start = state.num_computed_tokens
             rows.append(ScheduledRow(state.tokens(start, start + n), start, state.block_ids))
-            discard.append(start + n < state.num_tokens)  # still prefilling: no token this step
+            # still prefilling: no token this step
+            discard.append(start + n < state.num_tokens or state.req_id in failed_loads)
             logit_rows.append(offset + n - 1)
-            m = prompt_logprobs.rows_this_step(state, start, n)
+            m = prompt_logprobs.rows_this_step(state, start, n) if state.req_id not in failed_loads else 0
             if m:
                 prompt_rows.append((state, start, offset, m))
             offset += n
@@ -194,7 +270,8 @@ class MetalModelRunner:
         # exactly once (never with a partial prefill, never after a resume).
         handed = {state.req_id: prompt_logprobs.hand_over(state) for state, dropped in zip(states, discard)
                   if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
-        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, handed)
+        kv_output = self._connector_output(so, connector) if connector is not None else None
+        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, handed, kv_output)
         return None  # the engine calls sample_tokens next
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -220,4 +297,5 @@ class MetalModelRunner:
             sampled_token_ids=tokens,
             logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
             prompt_logprobs_dict=pending.prompt_logprobs,
+            kv_connector_output=pending.kv_connector_output,
         )

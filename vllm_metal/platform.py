@@ -119,7 +119,11 @@ class MetalPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # vLLM's hybrid KV-cache manager (one KV-cache group per kind of
+        # layer): hybrid linear-attention models need it for their state
+        # slots (a Mamba group); check_and_update_config keeps it off for
+        # every other model, as before.
+        return True
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
@@ -165,9 +169,54 @@ class MetalPlatform(Platform):
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = 16
+        hybrid = vllm_config.model_config is not None and vllm_config.model_config.is_hybrid
+        if not hybrid and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is None:
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+        if hybrid and cache.enable_prefix_caching:
+            # vLLM's prefix caching for hybrids ("align" mode) checkpoints each
+            # request's linear-attention state at block boundaries; the runner
+            # keeps one state slot per request (mode "none").
+            raise ValueError(f"vllm-metal does not support prefix caching for hybrid linear-attention models "
+                             f"({vllm_config.model_config.architecture}): their per-request recurrent state is "
+                             "not checkpointed per block. Turn it off: --no-enable-prefix-caching "
+                             "(LLM(..., enable_prefix_caching=False)).")
+        model = vllm_config.model_config
+        if hybrid and cache.mamba_block_size is not None and cache.mamba_block_size < model.max_model_len:
+            # One state block must cover a whole request (vLLM's default for mode "none").
+            raise ValueError(f"vllm-metal keeps one linear-attention state slot per request: leave "
+                             f"--mamba-block-size unset (got {cache.mamba_block_size}, below max_model_len "
+                             f"{model.max_model_len}).")
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
         if vllm_config.model_config is not None:
             vllm_config.model_config.enforce_eager = True
+        cls._configure_kv_disk(vllm_config)
+
+    @classmethod
+    def _configure_kv_disk(cls, vllm_config) -> None:
+        """VLLM_METAL_KV_DISK=PATH turns the disk KV cache on (the same
+        kv_transfer_config a user could pass); our connector named without its
+        module path gets it (vLLM's registry does not know the name)."""
+        from vllm_metal.kv.connector_config import MODULE_PATH, is_ours, transfer_config_dict
+
+        kt = vllm_config.kv_transfer_config
+        path = envs.get("VLLM_METAL_KV_DISK")
+        if kt is None and path:
+            from vllm.config.kv_transfer import KVTransferConfig
+
+            max_bytes = envs.get("VLLM_METAL_KV_DISK_MAX_BYTES")
+            vllm_config.kv_transfer_config = KVTransferConfig(
+                **transfer_config_dict(path, int(max_bytes) if max_bytes else None))
+            logger.info("vllm-metal disk KV cache on: %s", path)
+        kt = vllm_config.kv_transfer_config
+        if is_ours(kt) and vllm_config.model_config is not None and vllm_config.model_config.is_hybrid:
+            raise ValueError("vllm-metal's disk KV cache saves attention KV blocks only; hybrid "
+                             "linear-attention models keep per-request recurrent state it cannot restore: "
+                             "serve without --kv-transfer-config / VLLM_METAL_KV_DISK")
+        if is_ours(kt):
+            kt.kv_connector_module_path = MODULE_PATH
+            # A block file that fails to load (corrupt, vanished) is recomputed,
+            # never a failed request: vLLM's default policy is "fail".
+            kt.kv_load_failure_policy = "recompute"

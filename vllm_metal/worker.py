@@ -68,12 +68,39 @@ class MetalWorker(WorkerBase):
             device=self.device_name, total=memory.device_total_memory(self.device_name),
             utilization=self.cache_config.gpu_memory_utilization, weights=weights, other_used=used,
             explicit=self.cache_config.kv_cache_memory_bytes)
-        logger.info("vllm-metal KV cache budget: %.2f GiB", budget / 2**30)
-        return budget
+        # vLLM plans one tensor per layer of each cache group, shared across
+        # groups; every layer here has arrays of its own (hybrid models).
+        ratio = self.model_runner.kv_bytes_ratio()
+        logger.info("vllm-metal KV cache budget: %.2f GiB%s", budget / 2**30,
+                    f" (planned as {budget / ratio / 2**30:.2f} GiB: {ratio:.2f}x per planned byte, layers "
+                    "of different cache groups cannot share arrays)" if ratio > 1 else "")
+        return int(budget / ratio)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
         memory.set_wired_limit(self.device_name, mx.get_active_memory())
+        if self.vllm_config.kv_transfer_config is not None:
+            self._init_kv_connector(kv_cache_config)
+
+    def _init_kv_connector(self, kv_cache_config) -> None:
+        """The worker side of --kv-transfer-config, built by vLLM's factory
+        (the gate lets only vllm-metal's MLX connectors through). Owned here
+        rather than through vLLM's process-global transfer group, whose set-up
+        needs torch.distributed groups this single worker never creates."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        if not hasattr(connector, "register_mlx_cache"):
+            raise ValueError(f"KV connector {type(connector).__name__} cannot use MLX caches")
+        runner = self.model_runner
+        m = runner.mlx_model
+        connector.register_mlx_cache(runner.kv, {runner.layer_name(i): i for i in range(m.num_layers)},
+                                     m.sliding_windows)
+        runner.kv_connector = connector
+
+    def get_kv_connector_handshake_metadata(self):
+        return None  # the disk connector exchanges nothing between workers
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         self.model_runner.warm_up()
@@ -112,4 +139,7 @@ class MetalWorker(WorkerBase):
                     batch_rows=len(batch.rows) if batch is not None else 0)
 
     def shutdown(self) -> None:
+        connector = getattr(self.model_runner, "kv_connector", None)
+        if connector is not None:
+            connector.shutdown()  # saves in flight reach the disk
         self.model_runner = None

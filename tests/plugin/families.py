@@ -141,6 +141,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                              rope_scaling={"type": "longrope", "original_max_position_embeddings": 64,
                                                            "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0],
                                                            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]})),
+    # Hybrid: layers L F L F (Gated DeltaNet linear attention, gated full
+    # attention with partial RoPE), conv kernel 4, 4 value heads per 2 key
+    # heads, MoE with a shared expert on every layer but the first.
+    "qwen3_next": ("Qwen3NextForCausalLM", dict(
+        num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, partial_rotary_factor=0.25,
+        rope_scaling=None)),
     "granitemoe": ("GraniteMoeForCausalLM", dict(head_dim=DROP, logits_scaling=4.0, attention_multiplier=0.2,
                                                  embedding_multiplier=6.0, residual_multiplier=0.5,
                                                  attention_bias=False, num_local_experts=4,

@@ -30,6 +30,9 @@ class StepAttentionInputs:
     # window layers, can have their own block tables).
     block_tables: list[mx.array]  # int32 [num_seqs, max_blocks]
     slot_mappings: list[np.ndarray]  # int64 [num_tokens], host data
+    # Hybrid models: the rows as a padded batch for linear-attention layers
+    # (models/gated_delta.LinearStepInputs), else None.
+    linear: object = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
                                                  StepAttentionInputs, check_rope)
+from vllm_metal.models.gated_delta import GatedDeltaLayer, build_linear_inputs  # noqa: E402
 from vllm_metal.models.registry import check_served  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -27,13 +28,18 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's paged cache: what it stores per token, or whose it reads."""
+    """One layer's cache: what it stores per token, or whose it reads, or
+    (linear attention) the state it keeps per request."""
 
     num_kv_heads: int
     head_dim: int  # K's head size (MLA: kv_lora_rank + rope dims, one latent row per token)
-    layout: str = "kv"  # "kv": separate K and V caches; "latent": one cache (MLA), V = its first v_head_dim
+    # "kv": separate K and V caches; "latent": one cache (MLA), V = its first
+    # v_head_dim; "state": a linear-attention layer's per-request state slots
+    # (conv state in the model dtype, recurrent state in float32; state_shapes)
+    layout: str = "kv"
     v_head_dim: int | None = None  # V's head size where it differs from head_dim (MLA)
     source: int | None = None  # reads this earlier layer's cache instead of its own (gemma4's KV sharing)
+    state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": per request, (conv, recurrent)
 
 
 @dataclass
@@ -55,7 +61,8 @@ class LoadedModel:
         kinds = {}
         for kv in own:
             text = (f"latent rows of {kv.head_dim} (V: first {kv.v_head_dim})" if kv.layout == "latent"
-                    else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
+                    else f"linear-attention states {kv.state_shapes[0]} + {kv.state_shapes[1]}"
+                    if kv.layout == "state" else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
             kinds[text] = kinds.get(text, 0) + 1
         shared = len(self.layer_kv) - len(own)
         if len(kinds) == 1 and not shared:
@@ -66,15 +73,27 @@ class LoadedModel:
     def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int]) -> PagedKVCache:
         """Zeroed paged caches for every layer that has its own (group g's
         layers use block size block_sizes[g]); MLA layers get their one latent
-        cache only (values[i] None), layers sharing another's cache none."""
+        cache only (values[i] None), layers sharing another's cache none.
+        Linear-attention layers get their state pools, one slot per block id:
+        keys[i] the convolution states, values[i] the recurrent states."""
         keys, values = [], []
         for kv, g in zip(self.layer_kv, layer_group):
+            if kv.layout == "state":
+                conv, recurrent = kv.state_shapes
+                keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
+                values.append(mx.zeros((num_blocks, *recurrent), dtype=mx.float32))
+                continue
             shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
             keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
             values.append(mx.zeros(shape, dtype=self.dtype) if kv.source is None and kv.layout == "kv" else None)
         cache = PagedKVCache(keys, values, layer_group)
         mx.eval(cache.arrays())
         return cache
+
+    @property
+    def has_linear(self) -> bool:
+        """Some layers are linear attention (a hybrid model)."""
+        return any(kv.layout == "state" for kv in self.layer_kv)
 
     def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array:
         """One packed step (step_inputs.StepInputs) through every layer and the
@@ -84,7 +103,8 @@ class LoadedModel:
         kv.step = StepAttentionInputs(
             positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
             cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
-            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings)
+            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings,
+            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions) if self.has_linear else None)
         try:
             hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
             return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
@@ -166,6 +186,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     windows, layer_kv = [], []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
+        linear = getattr(layer, "linear_attn", None)
+        if attn is None and linear is not None and family.linear:
+            layer.linear_attn = GatedDeltaLayer(linear)
+            windows.append(None)
+            layer_kv.append(LayerKV(num_kv_heads=0, head_dim=0, layout="state",
+                                    state_shapes=layer.linear_attn.state_shapes))
+            continue
         if attn is None:
             raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "
                                       "self_attn (not a plain attention decoder)")
@@ -175,6 +202,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
         layer_kv.append(_layer_kv(layer.self_attn, i, inner, windows, layer_kv, config))
     checked = set()
     for layer in layers:
+        if getattr(layer, "self_attn", None) is None:  # linear attention: no RoPE
+            continue
         rope = layer.self_attn.rope()
         if rope is not None and id(rope) not in checked:
             checked.add(id(rope))

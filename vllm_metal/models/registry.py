@@ -13,7 +13,9 @@ reads what a family adds from its mlx-lm attention module (gpt_oss's sinks
 included). A family whose attention computes something else has its own
 small module in this package, named in `Family.module` (ministral3: a
 per-token query scale; mla: latent attention; gemma4: per-layer head sizes,
-keys as values, KV sharing).
+keys as values, KV sharing; qwen3_next: gated full attention). A hybrid
+family (`Family.linear`) also has Gated DeltaNet layers, run on per-request
+state slots by models/gated_delta.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Family:
     sliding: bool = False  # some layers attend within a window (the parity model checks it has some)
     moe: bool = False  # mlx-lm's switch (MoE) layers (the parity model checks it has them)
     module: str | None = None  # vllm_metal.models.<module> holds its attention, else the generic adapter
+    linear: bool = False  # hybrid: some layers are Gated DeltaNet linear attention (models/gated_delta.py)
 
 
 SERVED: dict[str, Family] = {
@@ -94,6 +97,10 @@ SERVED: dict[str, Family] = {
                       "routing), vLLM reads its config as DeepSeek-V3's", attention="mla", moe=True, module="mla"),
     "minicpm3": Family("latent KV cache (kv_b_proj absorbed at load), embedding / depth scaling, "
                        "v_head_dim = hidden / heads", attention="mla", module="mla"),
+    "qwen3_next": Family("hybrid: Gated DeltaNet linear-attention layers (conv kernel 4, recurrent state per "
+                         "request in vLLM's Mamba-style state slots) between gated full-attention layers "
+                         "(sigmoid output gate, q/k norms, partial RoPE); MoE with a shared expert",
+                         moe=True, module="qwen3_next", linear=True),
     "glm4_moe_lite": Family("latent KV cache with mlx-lm's absorbed embed_q / unembed_out, shared experts",
                             attention="mla", moe=True, module="mla"),
 }
@@ -127,7 +134,8 @@ def markdown_table() -> str:
         quant = f"float32, MLX {bits}-bit g{group}" + (" mixed per layer, 8-bit embeddings" if mixed else "")
         if name == "llama":
             quant += "; bf16, fp16, 4-bit kept quantized (SmolLM2)"
-        lines.append(f"| `{name}` | {f.attention} | {'yes' if f.sliding else '-'} | {'yes' if f.moe else '-'} "
+        attention = f.attention + " + gated delta (linear)" if f.linear else f.attention
+        lines.append(f"| `{name}` | {attention} | {'yes' if f.sliding else '-'} | {'yes' if f.moe else '-'} "
                      f"| {quant} | {f.notes or '-'} |")
     return "\n".join(lines)
 

@@ -1,0 +1,194 @@
+/* Forwarding shim: the LP64 CBLAS entry points MLX's CPU backend imports
+ * (cblas_sgemm, cblas_dgemm, cblas_cgemm; `nm -D --undefined-only libmlx.so`)
+ * forwarded to an ILP64 OpenBLAS whose symbols are renamed, such as the one
+ * numpy bundles (numpy.libs/libscipy_openblas64_-*.so: scipy_cblas_sgemm64_,
+ * 64-bit integers). Linux only; loaded by vllm_metal/fast_blas.py.
+ *
+ * Life cycle: fast_blas.py loads this library RTLD_LOCAL, calls
+ * vllm_metal_blas_shim_init() with the target library's path, and only when
+ * that succeeds re-opens it RTLD_GLOBAL (RTLD_NOLOAD), before mlx.core is
+ * imported, so that the dynamic linker binds libmlx's cblas_* imports here.
+ * The LAPACK routines MLX also imports are not provided: the system OpenBLAS,
+ * loaded after this library, or MLX's bundled LAPACK supplies them.
+ *
+ * Few-row products: MLX sends every matmul through cblas_sgemm, and a decode
+ * product x[M,K] @ W^T with M = 1 is a matrix-vector product. OpenBLAS's sgemm
+ * packs W first and streams it at a fraction of memory bandwidth; its sgemv
+ * does not. An sgemm with M <= gemv_max_rows (2 by default; 0 turns this off)
+ * is forwarded as M sgemv calls, and one with N == 1 as one sgemv. Measured
+ * on SmolLM2-135M's layers (docs/benchmarks.md): faster at M = 1 and 2, not
+ * at 4 or 8, where reading W M times costs more than sgemm's packing.
+ */
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* CBLAS enum values (identical in every CBLAS). */
+enum { ROW_MAJOR = 101, COL_MAJOR = 102 };
+enum { NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
+
+typedef int64_t i64;
+typedef void (*sgemm64_fn)(int, int, int, i64, i64, i64, float, const float*, i64,
+                           const float*, i64, float, float*, i64);
+typedef void (*dgemm64_fn)(int, int, int, i64, i64, i64, double, const double*, i64,
+                           const double*, i64, double, double*, i64);
+typedef void (*cgemm64_fn)(int, int, int, i64, i64, i64, const void*, const void*, i64,
+                           const void*, i64, const void*, void*, i64);
+typedef void (*sgemv64_fn)(int, int, i64, i64, float, const float*, i64, const float*, i64,
+                           float, float*, i64);
+
+static sgemm64_fn p_sgemm;
+static dgemm64_fn p_dgemm;
+static cgemm64_fn p_cgemm;
+static sgemv64_fn p_sgemv;
+static char target_name[64];
+static atomic_int gemv_max_rows = 2;
+static atomic_llong n_sgemm, n_sgemv, n_dgemm, n_cgemm;
+
+/* Symbol spellings of ILP64 OpenBLAS builds: numpy >= 2 (scipy-openblas64),
+ * then older numpy wheels (openblas64_). */
+static const char* const PATTERNS[][2] = {{"scipy_", "64_"}, {"", "64_"}};
+
+static void* lookup(void* lib, const char* prefix, const char* name, const char* suffix) {
+  char sym[128];
+  snprintf(sym, sizeof sym, "%s%s%s", prefix, name, suffix);
+  return dlsym(lib, sym);
+}
+
+/* Opens `path` and resolves its gemm/gemv entry points. Returns 0 on success;
+ * otherwise writes why into err. Not thread-safe; call once, before MLX runs. */
+EXPORT int vllm_metal_blas_shim_init(const char* path, char* err, size_t err_len) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(err, err_len, "dlopen: %s", dlerror());
+    return 1;
+  }
+  for (size_t i = 0; i < sizeof PATTERNS / sizeof PATTERNS[0]; ++i) {
+    const char* pre = PATTERNS[i][0];
+    const char* suf = PATTERNS[i][1];
+    void* s = lookup(lib, pre, "cblas_sgemm", suf);
+    void* d = lookup(lib, pre, "cblas_dgemm", suf);
+    void* c = lookup(lib, pre, "cblas_cgemm", suf);
+    void* v = lookup(lib, pre, "cblas_sgemv", suf);
+    if (s && d && c && v) {
+      p_sgemm = (sgemm64_fn)s;
+      p_dgemm = (dgemm64_fn)d;
+      p_cgemm = (cgemm64_fn)c;
+      p_sgemv = (sgemv64_fn)v;
+      snprintf(target_name, sizeof target_name, "%scblas_sgemm%s", pre, suf);
+      return 0;  /* the handle stays open for the life of the process */
+    }
+  }
+  snprintf(err, err_len, "%s exports no ILP64 cblas_sgemm/dgemm/cgemm/sgemv (tried scipy_*64_, *64_)",
+           path);
+  dlclose(lib);
+  return 2;
+}
+
+/* The symbol sgemm is forwarded to ("" before init). */
+EXPORT const char* vllm_metal_blas_shim_target(void) { return target_name; }
+
+/* An sgemm with at most this many rows (2 by default) goes to one sgemv per
+ * row, and a one-column sgemm to one sgemv; 0: never. Returns the previous value. */
+EXPORT int vllm_metal_blas_shim_set_gemv_max_rows(int rows) {
+  return atomic_exchange(&gemv_max_rows, rows < 0 ? 0 : rows);
+}
+
+/* Calls seen so far: 0 sgemm forwarded as sgemm, 1 sgemm forwarded as sgemv,
+ * 2 dgemm, 3 cgemm. */
+EXPORT long long vllm_metal_blas_shim_calls(int which) {
+  switch (which) {
+    case 0: return atomic_load(&n_sgemm);
+    case 1: return atomic_load(&n_sgemv);
+    case 2: return atomic_load(&n_dgemm);
+    case 3: return atomic_load(&n_cgemm);
+    default: return -1;
+  }
+}
+
+static void not_initialized(const char* name) {
+  fprintf(stderr, "vllm_metal blas shim: %s called before vllm_metal_blas_shim_init\n", name);
+  abort();
+}
+
+/* y[0], y[inc], ... = 0: with beta == 0, BLAS must not read C (it may hold NaN). */
+static void zero_strided(float* y, i64 n, i64 inc) {
+  if (inc == 1) {
+    memset(y, 0, (size_t)n * sizeof(float));
+  } else {
+    for (i64 i = 0; i < n; ++i) y[i * inc] = 0.0f;
+  }
+}
+
+/* Row-major C[M,N] = alpha op(A)[M,K] op(B)[K,N] + beta C as sgemv calls, one
+ * per row of C, when M <= gemv_max_rows, or as one sgemv when N == 1.
+ * Returns 0 when it does not apply. */
+static int sgemm_as_gemv(int ta, int tb, i64 M, i64 N, i64 K, float alpha, const float* A,
+                         i64 lda, const float* B, i64 ldb, float beta, float* C, i64 ldc) {
+  int max_rows = atomic_load_explicit(&gemv_max_rows, memory_order_relaxed);
+  if (max_rows < 1 || K < 1 || M < 1 || N < 1) return 0;
+  if (N > 1 && M <= max_rows) {
+    /* Row i: x = op(A)'s row i; y = C's row i; y = op(B)^T x. */
+    i64 incx = ta == NO_TRANS ? 1 : lda;
+    for (i64 i = 0; i < M; ++i) {
+      const float* x = ta == NO_TRANS ? A + i * lda : A + i;
+      float* y = C + i * ldc;
+      if (beta == 0.0f) zero_strided(y, N, 1);
+      if (tb == NO_TRANS) /* B is [K,N] */
+        p_sgemv(ROW_MAJOR, TRANS, K, N, alpha, B, ldb, x, incx, beta, y, 1);
+      else /* B is stored [N,K] */
+        p_sgemv(ROW_MAJOR, NO_TRANS, N, K, alpha, B, ldb, x, incx, beta, y, 1);
+    }
+    return 1;
+  }
+  if (N == 1 && M > 1) {
+    /* b = op(B)'s one column; y = C's one column (stride ldc); y = op(A) b. */
+    i64 incb = tb == NO_TRANS ? ldb : 1;
+    if (beta == 0.0f) zero_strided(C, M, ldc);
+    if (ta == NO_TRANS) /* A is [M,K] */
+      p_sgemv(ROW_MAJOR, NO_TRANS, M, K, alpha, A, lda, B, incb, beta, C, ldc);
+    else /* A is stored [K,M] */
+      p_sgemv(ROW_MAJOR, TRANS, K, M, alpha, A, lda, B, incb, beta, C, ldc);
+    return 1;
+  }
+  return 0;
+}
+
+EXPORT void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
+                        const float* A, int lda, const float* B, int ldb, float beta, float* C,
+                        int ldc) {
+  if (!p_sgemm) not_initialized("cblas_sgemm");
+  if (ta == CONJ_TRANS) ta = TRANS;
+  if (tb == CONJ_TRANS) tb = TRANS;
+  /* Column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T. */
+  int row = order == ROW_MAJOR;
+  if ((order == ROW_MAJOR || order == COL_MAJOR) &&
+      (row ? sgemm_as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+           : sgemm_as_gemv(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc))) {
+    atomic_fetch_add_explicit(&n_sgemv, 1, memory_order_relaxed);
+    return;
+  }
+  atomic_fetch_add_explicit(&n_sgemm, 1, memory_order_relaxed);
+  p_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+EXPORT void cblas_dgemm(int order, int ta, int tb, int M, int N, int K, double alpha,
+                        const double* A, int lda, const double* B, int ldb, double beta,
+                        double* C, int ldc) {
+  if (!p_dgemm) not_initialized("cblas_dgemm");
+  atomic_fetch_add_explicit(&n_dgemm, 1, memory_order_relaxed);
+  p_dgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+EXPORT void cblas_cgemm(int order, int ta, int tb, int M, int N, int K, const void* alpha,
+                        const void* A, int lda, const void* B, int ldb, const void* beta,
+                        void* C, int ldc) {
+  if (!p_cgemm) not_initialized("cblas_cgemm");
+  atomic_fetch_add_explicit(&n_cgemm, 1, memory_order_relaxed);
+  p_cgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}

@@ -1,0 +1,163 @@
+"""The BLAS shim (csrc/blas_shim.c, vllm_metal/fast_blas.py): MLX's CPU matmuls
+are really bound to it and forwarded to numpy's OpenBLAS, and the results match
+a float64 reference within float32 error for every shape class the shim treats
+differently: one or two rows (forwarded to sgemv), one column, a few rows, many rows,
+transposed and strided operands, column-major calls and beta != 0."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from vllm_metal import fast_blas
+
+import mlx.core as mx  # noqa: E402  (after vllm_metal: conftest imports vllm_metal.ops first)
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS shim is Linux-only"),
+    pytest.mark.skipif(os.environ.get("VLLM_METAL_BLAS", "auto") != "auto",
+                       reason="VLLM_METAL_BLAS chooses another BLAS"),
+]
+
+ROW_MAJOR, COL_MAJOR = 101, 102
+NO_TRANS, TRANS = 111, 112
+U32 = np.finfo(np.float32).eps / 2
+
+
+def _bound(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
+    """Elementwise float32 error bound of a @ b: gamma_K |a| |b| (plus rounding of the inputs)."""
+    k = a64.shape[-1]
+    return (k + 2) * U32 * (np.abs(a64) @ np.abs(b64)) + 1e-30
+
+
+def _check(got, a64, b64):
+    ref = a64 @ b64
+    err = np.abs(np.asarray(got, np.float64) - ref)
+    assert np.all(err <= _bound(a64, b64)), float((err / _bound(a64, b64)).max())
+
+
+def test_shim_is_bound():
+    shim = fast_blas.libraries.get("shim")
+    assert shim and shim.endswith(fast_blas.SHIM_NAME), fast_blas.status
+    assert fast_blas.status[0] == fast_blas.libraries["gemm"] == fast_blas.numpy_openblas()
+    assert "shim" in fast_blas.status[1] and fast_blas.SHIM_NAME in fast_blas.summary()
+    maps = open("/proc/self/maps").read()
+    assert shim in maps and fast_blas.libraries["gemm"] in maps
+    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows as sgemm.
+    before = fast_blas.shim_calls()
+    w = mx.ones((32, 16))
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T)
+    after = fast_blas.shim_calls()
+    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1
+    assert after["sgemm"] == before["sgemm"] + 1
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 300])
+@pytest.mark.parametrize("layout", ["x@W.T", "x@W", "x.T@W.T", "x.T@W"])
+def test_mlx_matmul_matches_float64(m, layout, rng):
+    k, n = 257, 190
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    # The same product x @ W.T with each operand stored either way round.
+    xs = mx.array(x) if layout.startswith("x@") else mx.array(np.ascontiguousarray(x.T)).T
+    ws = mx.array(w).T if layout.endswith("W.T") else mx.array(np.ascontiguousarray(w.T))
+    got = mx.matmul(xs, ws)
+    mx.eval(got)
+    _check(np.array(got), x.astype(np.float64), w.T.astype(np.float64))
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_mlx_batched_and_strided_matmul(m, rng):
+    # Batched products (one sgemm per batch entry) and a column-sliced operand.
+    x = rng.standard_normal((3, m, 96)).astype(np.float32)
+    w = rng.standard_normal((3, 96, 200)).astype(np.float32)
+    got = mx.matmul(mx.array(x), mx.array(w)[:, :, ::2])
+    mx.eval(got)
+    for i in range(3):
+        _check(np.array(got[i]), x[i].astype(np.float64), w[i, :, ::2].astype(np.float64))
+    # A matrix-vector product with the vector on the right: one column.
+    got = mx.array(w[0].T) @ mx.array(x[0, 0])
+    mx.eval(got)
+    _check(np.array(got)[:, None], w[0].T.astype(np.float64), x[0, 0, :, None].astype(np.float64))
+
+
+def test_mlx_float64_and_complex_go_through_the_shim(rng):
+    before = fast_blas.shim_calls()
+    a = rng.standard_normal((20, 30))
+    b = rng.standard_normal((30, 10))
+    got = mx.matmul(mx.array(a, mx.float64), mx.array(b, mx.float64), stream=mx.cpu)
+    mx.eval(got)
+    assert got.dtype == mx.float64
+    np.testing.assert_allclose(np.array(got), a @ b, rtol=1e-12, atol=1e-12)
+    c = (a + 1j * rng.standard_normal(a.shape)).astype(np.complex64)
+    d = (b + 1j * rng.standard_normal(b.shape)).astype(np.complex64)
+    got = mx.matmul(mx.array(c), mx.array(d), stream=mx.cpu)
+    mx.eval(got)
+    ref = c.astype(np.complex128) @ d.astype(np.complex128)
+    np.testing.assert_allclose(np.array(got), ref, rtol=1e-5, atol=1e-4)
+    after = fast_blas.shim_calls()
+    assert after["dgemm"] == before["dgemm"] + 1 and after["cgemm"] == before["cgemm"] + 1
+
+
+# -- the shim's cblas_sgemm called directly: what MLX never asks for ---------
+
+def _sgemm():
+    fn = ctypes.CDLL(fast_blas.libraries["shim"]).cblas_sgemm
+    f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    fn.restype = None
+    return fn
+
+
+def _stored(op: np.ndarray, trans: int, order: int, pad: int) -> tuple[np.ndarray, int]:
+    """Memory for an operand whose op() is `op`, with a leading dimension `pad` larger than needed."""
+    mat = op.T if trans == TRANS else op  # what is stored, logically
+    if order == COL_MAJOR:
+        buf = np.full((mat.shape[1], mat.shape[0] + pad), np.nan, np.float32)
+        buf[:, :mat.shape[0]] = mat.T
+    else:
+        buf = np.full((mat.shape[0], mat.shape[1] + pad), np.nan, np.float32)
+        buf[:, :mat.shape[1]] = mat
+    return buf, buf.shape[1]
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["as_gemv", "sgemm_only"])
+@pytest.mark.parametrize("order", [ROW_MAJOR, COL_MAJOR], ids=["row", "col"])
+@pytest.mark.parametrize("ta", [NO_TRANS, TRANS], ids=["A", "At"])
+@pytest.mark.parametrize("tb", [NO_TRANS, TRANS], ids=["B", "Bt"])
+@pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29)])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
+    m, n, k = mnk
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c0 = rng.standard_normal((m, n)).astype(np.float32)
+    a_buf, lda = _stored(a, ta, order, pad=3)
+    b_buf, ldb = _stored(b, tb, order, pad=2)
+    # C with padding; beta == 0 must ignore what C held (NaN here), as BLAS requires.
+    c_buf, ldc = _stored(c0 if beta else np.full((m, n), np.nan, np.float32), NO_TRANS, order, pad=4)
+    alpha = 1.5
+    previous = fast_blas.set_gemv_max_rows(2 if gemv else 0)
+    try:
+        before = fast_blas.shim_calls()
+        _sgemm()(order, ta, tb, m, n, k, alpha, a_buf.ctypes.data, lda, b_buf.ctypes.data, ldb,
+                 beta, c_buf.ctypes.data, ldc)
+        after = fast_blas.shim_calls()
+    finally:
+        fast_blas.set_gemv_max_rows(previous)
+    got = c_buf[:, :m].T if order == COL_MAJOR else c_buf[:, :n]
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = alpha * (a64 @ b64) + (beta * c0.astype(np.float64) if beta else 0.0)
+    bound = abs(alpha) * _bound(a64, b64) + 2 * U32 * np.abs(ref)
+    assert np.all(np.abs(got - ref) <= bound)
+    pad = c_buf[:, m:] if order == COL_MAJOR else c_buf[:, n:]
+    assert np.all(np.isnan(pad)), "wrote outside C"
+    # The rule is the row-major one; a column-major C[m,n] is a row-major C^T[n,m].
+    rows, cols = (m, n) if order == ROW_MAJOR else (n, m)
+    as_gemv = gemv and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
+    assert after["sgemm_as_sgemv"] - before["sgemm_as_sgemv"] == int(as_gemv)
+    assert after["sgemm"] - before["sgemm"] == int(not as_gemv)

@@ -1,0 +1,525 @@
+"""vLLM's KV-connector API (KVConnectorBase_V1) over a directory of block files: prefix
+blocks survive restarts (docs/kv_disk.md).
+
+Scheduler side: a prompt's full blocks are looked up by vLLM's own block hashes;
+those on disk count as computed tokens and are loaded into the blocks vLLM
+allocated; every block that becomes fully computed is saved once. Worker side
+(driven by MetalModelRunner, not vLLM's GPU runner): loads read each file
+straight into the MLX cache arrays before the forward; saves run on a writer
+thread behind the step, writing numpy views of the evaluated cache arrays
+straight into the file (block_file.write_block_file: temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                 KVConnectorRole)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from vllm_metal.kv import block_file
+from vllm_metal.kv.block_file import BlockFileError, BlockMeta
+from vllm_metal.kv.connector_config import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm." + __name__)
+
+DEFAULT_MAX_BYTES = 16 << 30
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+# ---- the cache layout both sides agree on ---------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    fingerprint: str  # hex sha256 of the model identity and the cache layout
+    block_size: int
+    layers: tuple[tuple[str, int], ...]  # (layer name, arrays per block: 2 = K and V, 1 = MLA's latent)
+    payload_bytes: int  # one block, every layer
+
+
+def _layer_specs(kv_cache_config) -> list[tuple[str, Any]]:
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for name in group.layer_names:
+            out.append((name, per_layer[name] if per_layer is not None else spec))
+    return out
+
+
+def _model_identity(model_config) -> dict:
+    """The served weights, cheaply: config.json's bytes and each weight file's
+    name and size (hashing GiBs of weights at start-up would cost seconds)."""
+    path = Path(str(model_config.model)).expanduser()
+    identity: dict[str, Any] = {"model": str(model_config.model), "revision": model_config.revision}
+    if (path / "config.json").exists():
+        identity = {"config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+                    "weights": sorted([p.name, p.stat().st_size] for p in path.glob("*.safetensors"))}
+    return identity
+
+
+def cache_layout(vllm_config, kv_cache_config) -> CacheLayout:
+    """Checks that the connector can serve this cache and describes it. Refuses
+    (ValueError, at start-up) what it cannot restore correctly: sliding-window
+    or chunked-local layers (vLLM frees their out-of-window blocks, so a prefix
+    chain is not a complete cache) and several KV-cache groups."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(f"{CONNECTOR_NAME} supports one KV-cache group (full attention only); this model "
+                         f"has {len(kv_cache_config.kv_cache_groups)}")
+    specs = _layer_specs(kv_cache_config)
+    layers, payload, described = [], 0, []
+    block_size = None
+    for name, spec in specs:
+        if not isinstance(spec, FullAttentionSpec):  # MLA is one; state (Mamba) and window specs are not
+            raise ValueError(f"{CONNECTOR_NAME} saves attention KV blocks only; layer {name} has a "
+                             f"{type(spec).__name__}: serve this model without the disk KV cache")
+        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        if window:
+            raise ValueError(f"{CONNECTOR_NAME} cannot serve sliding-window / chunked-local attention "
+                             f"(layer {name}: window {window}); serve this model without the disk KV cache "
+                             "(drop --kv-transfer-config / VLLM_METAL_KV_DISK)")
+        arrays = 1 if isinstance(spec, MLAAttentionSpec) else 2
+        dtype = str(spec.dtype).removeprefix("torch.")
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"{CONNECTOR_NAME}: unsupported cache dtype {dtype}")
+        block_size = spec.block_size if block_size is None else block_size
+        if spec.block_size != block_size:
+            raise ValueError(f"{CONNECTOR_NAME}: layers with different block sizes")
+        layers.append((name, arrays))
+        payload += arrays * spec.block_size * spec.num_kv_heads * spec.head_size * _DTYPE_BYTES[dtype]
+        described.append([name, type(spec).__name__, arrays, spec.num_kv_heads, spec.head_size, dtype])
+    identity = dict(format=block_file.FORMAT_VERSION, layout="LBNHC", block_size=block_size, layers=described,
+                    model=_model_identity(vllm_config.model_config),
+                    model_dtype=str(vllm_config.model_config.dtype))
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return CacheLayout(digest, block_size, tuple(layers), payload)
+
+
+# ---- scheduler -> worker -----------------------------------------------------------
+
+
+@dataclass
+class DiskConnectorMetadata(KVConnectorMetadata):
+    # req_id -> [(block id, block hash hex)], in block order
+    loads: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+
+
+@dataclass
+class _SaveJob:
+    req_id: str
+    blocks: list[tuple[int, str]]
+    arrays: list | None  # the evaluated MLX cache arrays, in layout order (released after writing)
+
+
+class MetalDiskConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if not extra.get("path"):
+            raise ValueError(f"{CONNECTOR_NAME} needs kv_connector_extra_config.path (a directory)")
+        self.directory = Path(extra["path"]).expanduser()
+        self.max_bytes = int(extra.get("max_bytes") or DEFAULT_MAX_BYTES)
+        self.layout = cache_layout(vllm_config, kv_cache_config)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.block_size = self.layout.block_size
+        self._warned: set[str] = set()
+        cache_config = vllm_config.cache_config
+        if str(cache_config.prefix_caching_hash_algo).startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+            logger.warning("vllm-metal disk KV cache: --prefix-caching-hash-algo %s without PYTHONHASHSEED gives "
+                           "block hashes that change with every start: saved blocks will not be found after a "
+                           "restart (use sha256, the default, or set PYTHONHASHSEED)",
+                           cache_config.prefix_caching_hash_algo)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    def _meta(self, block_hash: str) -> BlockMeta:
+        return BlockMeta(self.layout.fingerprint, block_hash, self.block_size, self.layout.payload_bytes)
+
+    def _path(self, block_hash: str) -> Path:
+        return self.directory / block_file.file_name(self.layout.fingerprint, block_hash)
+
+    def _reject(self, path: Path, reason: str) -> None:
+        """One warning, and the file is removed: never used, and a later save
+        of the same block replaces it."""
+        if path.name not in self._warned:
+            self._warned.add(path.name)
+            logger.warning("vllm-metal disk KV cache: skipping %s (%s); its tokens are recomputed", path, reason)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    # ==== scheduler side ===========================================================
+
+    def _init_scheduler(self) -> None:
+        self._checked: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime_ns) of a good header
+        self._load_plans: dict[str, tuple[int, list[str]]] = {}  # req_id -> (first block, hashes on disk)
+        self._requests: dict[str, Request] = {}
+        self._saved_upto: dict[str, int] = {}  # req_id -> blocks already saved, on disk or planned
+        self._pending_loads: dict[str, list[tuple[int, str]]] = {}
+        self._saving: dict[str, set[str]] = {}  # req_id -> names it asked the worker to write
+        self._inflight: set[str] = set()  # block hashes being written
+        self._last_saves: dict[str, tuple[int, list[str]]] = {}  # the last step's: req_id -> (first block, hashes)
+
+    def _on_disk(self, block_hash: str) -> bool:
+        """A file with a good header (cheap check, cached per size and mtime;
+        the payload checksum is verified when the worker loads it)."""
+        path = self._path(block_hash)
+        try:
+            st = path.stat()
+        except OSError:
+            self._checked.pop(path.name, None)
+            return False
+        stamp = (st.st_size, st.st_mtime_ns)
+        if self._checked.get(path.name) == stamp:
+            return True
+        try:
+            block_file.check_header(path, self._meta(block_hash))
+        except BlockFileError as e:
+            self._checked.pop(path.name, None)
+            self._reject(path, str(e))
+            return False
+        self._checked[path.name] = stamp
+        return True
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        start = num_computed_tokens // self.block_size
+        # Full blocks only, and never the last token: it must be computed to sample.
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        hashes = []
+        for j in range(start, limit):
+            h = request.block_hashes[j].hex()
+            if not self._on_disk(h):
+                break
+            hashes.append(h)
+        if not hashes:
+            self._load_plans.pop(request.request_id, None)
+            return 0, False
+        self._load_plans[request.request_id] = (start, hashes)
+        return len(hashes) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        req_id = request.request_id
+        self._requests[req_id] = request
+        plan = self._load_plans.pop(req_id, None)
+        if not num_external_tokens or plan is None:
+            return
+        start, hashes = plan
+        count = num_external_tokens // self.block_size
+        ids = blocks.get_block_ids()[0]
+        self._pending_loads[req_id] = [(ids[start + j], hashes[j]) for j in range(count)]
+        self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), start + count)
+
+    def build_connector_meta(self, scheduler_output) -> DiskConnectorMetadata:
+        meta = DiskConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = {}
+        computed = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        computed += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_computed in computed:
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            after = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(after // self.block_size, len(request.block_hashes))
+            start = self._saved_upto.get(req_id, 0)
+            if full <= start:
+                continue
+            self._saved_upto[req_id] = full
+            ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            todo = []
+            for j in range(start, full):
+                h = request.block_hashes[j].hex()
+                if h in self._inflight or self._on_disk(h):
+                    continue
+                self._inflight.add(h)
+                todo.append((ids[j], h))
+            if todo:
+                meta.saves[req_id] = todo
+                self._saving.setdefault(req_id, set()).update(h for _, h in todo)
+                self._last_saves[req_id] = (start, [h for _, h in todo])
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            # The worker dropped the step's saves (they may have been computed
+            # on a block that did not load): plan them again, and the saves of
+            # the requests that read a bad block from that block on, once
+            # vLLM has recomputed them.
+            for req_id, (first, hashes) in self._last_saves.items():
+                self._inflight.difference_update(hashes)
+                if req_id in self._saved_upto:
+                    self._saved_upto[req_id] = min(self._saved_upto[req_id], first)
+            for req_id in self._requests:
+                ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+                bad = next((j for j, b in enumerate(ids) if b in invalid), None)
+                if bad is not None and req_id in self._saved_upto:
+                    self._saved_upto[req_id] = min(self._saved_upto[req_id], bad)
+        self._last_saves = {}
+        for req_id in connector_output.finished_sending or ():
+            self._inflight.difference_update(self._saving.pop(req_id, ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Blocks whose save is still pending stay allocated until the worker
+        reports the request in finished_sending."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._saved_upto.pop(req_id, None)
+        self._load_plans.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        return req_id in self._saving, None
+
+    # ==== worker side ==============================================================
+
+    def _init_worker(self) -> None:
+        removed = block_file.remove_stale_tmp(self.directory)
+        if removed:
+            logger.info("vllm-metal disk KV cache: removed %d stale temporary files", len(removed))
+        self._kv = None
+        self._array_index: list[tuple[int, str]] = []  # per payload array: (layer index, "k" / "v")
+        # LRU index of this directory's block files: name -> [size, last access]
+        self._index: dict[str, list[float]] = {}
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(block_file.SUFFIX):
+                st = entry.stat()
+                self._index[entry.name] = [st.st_size, st.st_atime]
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=64)
+        self._outstanding: dict[str, int] = {}  # req_id -> save jobs not yet written
+        self._finished: set[str] = set()  # finished requests with saves
+        self._load_errors: set[int] = set()
+        self.failed_load_req_ids: set[str] = set()
+        self.saving_enabled = True
+        self._tmp_counter = 0
+        # Instrumentation (tests, logs).
+        self.stats = dict(blocks_loaded=0, blocks_saved=0, load_errors=0, save_errors=0, evicted=0,
+                          bytes_loaded=0, bytes_saved=0, load_s=0.0, save_s=0.0, fence_wait_s=0.0)
+        self._writer = threading.Thread(target=self._writer_loop, name="vllm-metal-kv-disk", daemon=True)
+        self._writer.start()
+
+    def register_mlx_cache(self, kv, layer_index: dict[str, int], sliding_windows=()) -> None:
+        """The MLX counterpart of register_kv_caches: the runner's PagedKVCache
+        (whose arrays it replaces every step) and layer name -> layer index."""
+        if any(sliding_windows):
+            raise ValueError(f"{CONNECTOR_NAME} cannot serve sliding-window attention layers; serve this "
+                             "model without the disk KV cache (drop --kv-transfer-config / VLLM_METAL_KV_DISK)")
+        order = []
+        for name, arrays in self.layout.layers:
+            i = layer_index[name]
+            kinds = ["k", "v"][:arrays]
+            for kind in kinds:
+                a = (kv.keys if kind == "k" else kv.values)[i]
+                if a is None or a.shape[1] != self.block_size:
+                    raise ValueError(f"{CONNECTOR_NAME}: layer {name} has no {kind} cache of block size "
+                                     f"{self.block_size}")
+            if arrays == 1 and kv.values[i] is not None:
+                raise ValueError(f"{CONNECTOR_NAME}: layer {name} has a V cache its spec does not declare")
+            order += [(i, kind) for kind in kinds]
+        nbytes = sum(_array_for(kv, i, kind)[0].nbytes for i, kind in order)
+        if nbytes != self.layout.payload_bytes:
+            raise ValueError(f"{CONNECTOR_NAME}: cache arrays hold {nbytes} bytes per block, the layout says "
+                             f"{self.layout.payload_bytes}")
+        self._kv, self._array_index = kv, order
+
+    def _arrays(self) -> list:
+        return [_array_for(self._kv, i, kind) for i, kind in self._array_index]
+
+    def fence(self) -> None:
+        """Waits for saves in flight. They write from numpy views of the cache
+        arrays; the next step's in-place cache write (MLX donates the buffer
+        only when nothing else references it) and any load must come after."""
+        start = time.perf_counter()
+        self._queue.join()
+        self.stats["fence_wait_s"] += time.perf_counter() - start
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # A preempted request's blocks are reused only by a later cache write
+        # or load, both of which fence first: nothing to do here.
+        return None
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.fence()
+        self.failed_load_req_ids = set()
+        meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        start = time.perf_counter()
+        views = [_byte_view(a) for a in self._arrays()]
+        for req_id, blocks in meta.loads.items():
+            for n, (block_id, block_hash) in enumerate(blocks):
+                path = self._path(block_hash)
+                try:
+                    block_file.read_block_file(path, self._meta(block_hash), (v[block_id] for v in views))
+                except BlockFileError as e:
+                    self._reject(path, str(e))
+                    with self._lock:
+                        self._index.pop(path.name, None)
+                    # vLLM truncates the request's computed tokens at the first
+                    # bad block and recomputes from there.
+                    self._load_errors.update(b for b, _ in blocks[n:])
+                    self.failed_load_req_ids.add(req_id)
+                    self.stats["load_errors"] += 1
+                    break
+                self.stats["blocks_loaded"] += 1
+                self.stats["bytes_loaded"] += self.layout.payload_bytes
+                self._touch(path)
+        del views
+        self.stats["load_s"] += time.perf_counter() - start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are synchronous, before the forward
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None  # whole blocks are saved after the step's evaluation (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        """Queues this step's saves (the arrays are evaluated); the writer
+        thread writes them while the engine samples and schedules."""
+        meta = self._get_connector_metadata()
+        if not meta.saves:
+            return
+        # Queued even when not written (saving stopped, or a load failed this
+        # step: blocks computed after a bad block would be wrong, and the
+        # scheduler plans the saves again), so the request is still reported
+        # in finished_sending and its blocks freed.
+        arrays = self._arrays() if self.saving_enabled and not self.failed_load_req_ids else None
+        for req_id, blocks in meta.saves.items():
+            with self._lock:
+                self._outstanding[req_id] = self._outstanding.get(req_id, 0) + 1
+            self._queue.put(_SaveJob(req_id, blocks, arrays))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose saves are all written, once each has finished."""
+        with self._lock:
+            self._finished.update(r for r in finished_req_ids if r in self._outstanding)
+            done = {r for r in self._finished if self._outstanding[r] == 0}
+            for r in done:
+                del self._outstanding[r]
+            self._finished -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER and self._writer.is_alive():
+            self.fence()
+            self._queue.put(None)
+            self._writer.join(timeout=60)
+
+    # ---- the writer thread ----------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write_job(job)
+            finally:
+                if job is not None:
+                    job.arrays = None  # release the cache arrays before the fence opens
+                    with self._lock:
+                        self._outstanding[job.req_id] -= 1
+                self._queue.task_done()
+
+    def _write_job(self, job: _SaveJob) -> None:
+        if not self.saving_enabled or job.arrays is None:
+            return
+        start = time.perf_counter()
+        views = [_byte_view(a) for a in job.arrays]
+        try:
+            for block_id, block_hash in job.blocks:
+                path = self._path(block_hash)
+                self._tmp_counter += 1
+                try:
+                    size = block_file.write_block_file(path, self._meta(block_hash), (v[block_id] for v in views),
+                                                       self._tmp_counter)
+                except OSError as e:
+                    self.stats["save_errors"] += 1
+                    self.saving_enabled = False
+                    what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+                    logger.warning("vllm-metal disk KV cache: saving stopped (%s); serving goes on, "
+                                   "saved blocks are still loaded", what)
+                    return
+                except Exception as e:  # noqa: BLE001 -- a save must never take the engine down
+                    self.stats["save_errors"] += 1
+                    logger.warning("vllm-metal disk KV cache: could not save %s: %s", path.name, e)
+                    continue
+                self.stats["blocks_saved"] += 1
+                self.stats["bytes_saved"] += size
+                with self._lock:
+                    self._index[path.name] = [size, time.time()]
+                self._evict()
+        finally:
+            del views
+            self.stats["save_s"] += time.perf_counter() - start
+
+    def _touch(self, path: Path) -> None:
+        now = time.time()
+        try:  # atime = last use (the LRU order after a restart)
+            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+        except OSError:
+            pass
+        with self._lock:
+            if path.name in self._index:
+                self._index[path.name][1] = now
+
+    def _evict(self) -> None:
+        with self._lock:
+            total = sum(size for size, _ in self._index.values())
+            if total <= self.max_bytes:
+                return
+            victims = []
+            for name, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
+                if total <= self.max_bytes:
+                    break
+                victims.append(name)
+                total -= size
+            for name in victims:
+                del self._index[name]
+        for name in victims:
+            try:
+                os.unlink(self.directory / name)
+                self.stats["evicted"] += 1
+            except OSError:
+                pass
+
+
+def _array_for(kv, layer: int, kind: str):
+    return (kv.keys if kind == "k" else kv.values)[layer]
+
+
+def _byte_view(array):
+    """A writable numpy view (no copy) of an evaluated MLX array's memory,
+    as [num_blocks, ...] bytes; bfloat16 (which numpy lacks) through an MLX
+    view of the same buffer."""
+    import mlx.core as mx
+    import numpy as np
+
+    if array.dtype == mx.bfloat16:
+        array = mx.view(array, mx.uint16)
+        mx.eval(array)
+    view = np.asarray(array)
+    return view.reshape(view.shape[0], -1).view(np.uint8)
