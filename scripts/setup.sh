@@ -14,7 +14,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [[ "$(uname -s)" == "Linux" ]]; then
   # Debian's OpenBLAS replaces the mlx-cpu wheel's reference BLAS (~50x
-  # faster matmul; see docs/usage.md), a C++ compiler for the build, and
+  # faster matmul; see docs/usage.md; MLX's matmuls go to numpy's OpenBLAS
+  # through the BLAS shim the extension build makes, LAPACK to Debian's),
+  # a C/C++ compiler for the build, and
   # clang 19 + compiler-rt for the Metal checks (tests/metal: the MSL
   # executor and the macOS compile check; see docs/metal.md).
   need=()

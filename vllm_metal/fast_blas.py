@@ -17,9 +17,9 @@ sgemm), plus some LAPACK routines (linalg only). With VLLM_METAL_BLAS=auto
 1. vllm-metal's BLAS shim (`libvllm_metal_blas_shim.so`, csrc/blas_shim.c,
    built with the extension): it exports those three LP64 cblas routines and
    forwards them to the OpenBLAS numpy bundles (numpy.libs/
-   libscipy_openblas64_*.so: a newer OpenBLAS, with AVX-512 kernels, whose
-   symbols are renamed and take 64-bit integers, so MLX cannot bind to it
-   directly). An sgemm of one or two rows, i.e. a decode product
+   libscipy_openblas64_*.so: OpenBLAS 0.3.30 with numpy 2.3, where Debian 12
+   ships 0.3.21; its symbols are renamed and take 64-bit integers, so MLX
+   cannot bind to it directly). An sgemm of one or two rows, i.e. a decode product
    x[M,K] @ W^T at batch 1 or 2, is forwarded as one sgemv per row (and a
    one-column sgemm as one sgemv): OpenBLAS's sgemm packs W first and streams
    it at a fraction of memory bandwidth, its sgemv does not (at 4 and more
@@ -28,12 +28,17 @@ sgemm), plus some LAPACK routines (linalg only). With VLLM_METAL_BLAS=auto
 2. Debian/Ubuntu's libopenblas0-pthread (or any libopenblas the loader
    finds), for everything else MLX imports (LAPACK).
 
-Measured on the 2-core AMD EPYC this was developed on (docs/benchmarks.md,
-"BLAS shim"): the shim is faster than Debian's OpenBLAS 0.3.21 alone for
-both decode-shaped and prefill-shaped products. Either part may be missing:
-without the shim (not built, or numpy without its OpenBLAS) the system
-OpenBLAS does everything, as before the shim existed; without a system
-OpenBLAS the shim does the matmuls and MLX's bundled LAPACK the rest.
+Measured on the 2-core AMD EPYC (Zen 4) this was developed on, against
+Debian's OpenBLAS 0.3.21 alone (docs/benchmarks.md, "BLAS shim"): SmolLM2's
+linear layers for one decode step at batch 1 take ~32 ms instead of ~45 (the
+sgemv forwarding; Debian's own sgemv would do as well on this CPU), batch 8
+is unchanged (~57 ms: sgemm at 8 rows either way), a 1024-token prefill
+~150 GFLOP/s instead of ~140 (both libraries run AVX-512 kernels here; on
+CPUs newer than OpenBLAS 0.3.21 knows, numpy's 0.3.30 picks better ones).
+Either part may be missing: without the shim (not built, or numpy without
+its OpenBLAS) the system OpenBLAS does everything, as before the shim
+existed; without a system OpenBLAS the shim does the matmuls and MLX's
+bundled LAPACK the rest.
 
 VLLM_METAL_BLAS: `auto` as above; `system` only the system OpenBLAS (no
 shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
@@ -41,9 +46,12 @@ shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
 uses Accelerate/Metal and needs none of this.
 
 Threads: numpy's OpenBLAS sizes its pool to the cores (OPENBLAS_NUM_THREADS
-overrides it, for both libraries); MLX calls BLAS from its one CPU stream
-thread, and the paged-attention kernel's pool (VLLM_METAL_CPU_THREADS) runs
-between BLAS calls, not during them.
+overrides it, for both libraries; the system one only serves LAPACK now, so
+its pool stays idle). MLX calls BLAS from its one CPU stream thread, and the
+paged-attention kernel's pool (VLLM_METAL_CPU_THREADS) runs between BLAS
+calls, not during them, though OpenBLAS's workers keep polling (with
+sched_yield) for a while after each call, as they did with the system
+library alone.
 """
 
 from __future__ import annotations
@@ -138,7 +146,8 @@ def _openblas_info(path: str, sgemm_symbol: str) -> str:
     prefix, suffix = sgemm_symbol.split("cblas_sgemm")
     try:
         lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
-        config, core = (getattr(lib, f"{prefix}openblas_get_{what}{suffix}") for what in ("config", "corename"))
+        config, core = (getattr(lib, f"{prefix}openblas_get_{what}{suffix}")
+                        for what in ("config", "corename"))
         config.restype = core.restype = ctypes.c_char_p
         version = " ".join(config().decode().split()[:2])  # "OpenBLAS 0.3.30"
         return f"{version}, {core().decode().strip()} kernels"
