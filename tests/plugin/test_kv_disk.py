@@ -388,7 +388,7 @@ def test_live_writers_temp_files_are_kept(tmp_path):
 def test_fingerprint_names_model_dtype_block_size_and_layout(model_dir):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 
-    from vllm_metal.kv.disk_connector import cache_layout
+    from vllm_metal.kv.layout import cache_layout
 
     def layout(block_size=16, dtype=torch.float32, heads=3, spec=FullAttentionSpec, model=model_dir, window=None):
         extra = dict(sliding_window=window) if window else {}
@@ -434,11 +434,11 @@ def test_byte_views_are_the_cache_memory(dtype):
     be the array's own memory (no copy), for every cache dtype (numpy has no bfloat16)."""
     import mlx.core as mx
 
-    from vllm_metal.kv.disk_connector import _byte_view
+    from vllm_metal.kv.layout import byte_view
 
     cache = mx.zeros((4, 16, 3, 8), dtype=getattr(mx, dtype))
     mx.eval(cache)
-    view = _byte_view(cache)
+    view = byte_view(cache)
     assert view.shape == (4, 16 * 3 * 8 * cache.itemsize) and view.flags.writeable
     one = np.asarray(mx.ones((16, 3, 8), dtype=getattr(mx, dtype)).view(mx.uint8))  # raw bytes of ones
     view[2] = one.reshape(-1)  # what a load does: bytes into block 2

@@ -13,24 +13,22 @@ straight into the file (block_file.write_block_file: temp file, fsync, rename).
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from vllm_metal.kv import block_file
 from vllm_metal.kv.block_file import BlockFileError, BlockMeta
 from vllm_metal.kv.connector_config import CONNECTOR_NAME
+from vllm_metal.kv.layout import array_for, byte_view, cache_layout
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,76 +37,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm." + __name__)
 
 DEFAULT_MAX_BYTES = 16 << 30
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-# ---- the cache layout both sides agree on ---------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    fingerprint: str  # hex sha256 of the model identity and the cache layout
-    block_size: int
-    layers: tuple[tuple[str, int], ...]  # (layer name, arrays per block: 2 = K and V, 1 = MLA's latent)
-    payload_bytes: int  # one block, every layer
-
-
-def _layer_specs(kv_cache_config) -> list[tuple[str, Any]]:
-    out = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-        for name in group.layer_names:
-            out.append((name, per_layer[name] if per_layer is not None else spec))
-    return out
-
-
-def _model_identity(model_config) -> dict:
-    """The served weights, cheaply: config.json's bytes and each weight file's
-    name and size (hashing GiBs of weights at start-up would cost seconds)."""
-    path = Path(str(model_config.model)).expanduser()
-    identity: dict[str, Any] = {"model": str(model_config.model), "revision": model_config.revision}
-    if (path / "config.json").exists():
-        identity = {"config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
-                    "weights": sorted([p.name, p.stat().st_size] for p in path.glob("*.safetensors"))}
-    return identity
-
-
-def cache_layout(vllm_config, kv_cache_config) -> CacheLayout:
-    """Checks that the connector can serve this cache and describes it. Refuses
-    (ValueError, at start-up) what it cannot restore correctly: sliding-window
-    or chunked-local layers (vLLM frees their out-of-window blocks, so a prefix
-    chain is not a complete cache) and several KV-cache groups."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(f"{CONNECTOR_NAME} supports one KV-cache group (full attention only); this model "
-                         f"has {len(kv_cache_config.kv_cache_groups)}")
-    specs = _layer_specs(kv_cache_config)
-    layers, payload, described = [], 0, []
-    block_size = None
-    for name, spec in specs:
-        if not isinstance(spec, FullAttentionSpec):  # MLA is one; state (Mamba) and window specs are not
-            raise ValueError(f"{CONNECTOR_NAME} saves attention KV blocks only; layer {name} has a "
-                             f"{type(spec).__name__}: serve this model without the disk KV cache")
-        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-        if window:
-            raise ValueError(f"{CONNECTOR_NAME} cannot serve sliding-window / chunked-local attention "
-                             f"(layer {name}: window {window}); serve this model without the disk KV cache "
-                             "(drop --kv-transfer-config / VLLM_METAL_KV_DISK)")
-        arrays = 1 if isinstance(spec, MLAAttentionSpec) else 2
-        dtype = str(spec.dtype).removeprefix("torch.")
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"{CONNECTOR_NAME}: unsupported cache dtype {dtype}")
-        block_size = spec.block_size if block_size is None else block_size
-        if spec.block_size != block_size:
-            raise ValueError(f"{CONNECTOR_NAME}: layers with different block sizes")
-        layers.append((name, arrays))
-        payload += arrays * spec.block_size * spec.num_kv_heads * spec.head_size * _DTYPE_BYTES[dtype]
-        described.append([name, type(spec).__name__, arrays, spec.num_kv_heads, spec.head_size, dtype])
-    identity = dict(format=block_file.FORMAT_VERSION, layout="LBNHC", block_size=block_size, layers=described,
-                    model=_model_identity(vllm_config.model_config),
-                    model_dtype=str(vllm_config.model_config.dtype))
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return CacheLayout(digest, block_size, tuple(layers), payload)
 
 
 # ---- scheduler -> worker -----------------------------------------------------------
@@ -335,14 +263,14 @@ class MetalDiskConnector(KVConnectorBase_V1):
             if arrays == 1 and kv.values[i] is not None:
                 raise ValueError(f"{CONNECTOR_NAME}: layer {name} has a V cache its spec does not declare")
             order += [(i, kind) for kind in kinds]
-        nbytes = sum(_array_for(kv, i, kind)[0].nbytes for i, kind in order)
+        nbytes = sum(array_for(kv, i, kind)[0].nbytes for i, kind in order)
         if nbytes != self.layout.payload_bytes:
             raise ValueError(f"{CONNECTOR_NAME}: cache arrays hold {nbytes} bytes per block, the layout says "
                              f"{self.layout.payload_bytes}")
         self._kv, self._array_index = kv, order
 
     def _arrays(self) -> list:
-        return [_array_for(self._kv, i, kind) for i, kind in self._array_index]
+        return [array_for(self._kv, i, kind) for i, kind in self._array_index]
 
     def fence(self) -> None:
         """Waits for saves in flight. They write from numpy views of the cache
@@ -364,7 +292,7 @@ class MetalDiskConnector(KVConnectorBase_V1):
         if not meta.loads:
             return
         start = time.perf_counter()
-        views = [_byte_view(a) for a in self._arrays()]
+        views = [byte_view(a) for a in self._arrays()]
         for req_id, blocks in meta.loads.items():
             for n, (block_id, block_hash) in enumerate(blocks):
                 path = self._path(block_hash)
@@ -448,7 +376,7 @@ class MetalDiskConnector(KVConnectorBase_V1):
         if not self.saving_enabled or job.arrays is None:
             return
         start = time.perf_counter()
-        views = [_byte_view(a) for a in job.arrays]
+        views = [byte_view(a) for a in job.arrays]
         try:
             for block_id, block_hash in job.blocks:
                 path = self._path(block_hash)
@@ -505,21 +433,3 @@ class MetalDiskConnector(KVConnectorBase_V1):
                 self.stats["evicted"] += 1
             except OSError:
                 pass
-
-
-def _array_for(kv, layer: int, kind: str):
-    return (kv.keys if kind == "k" else kv.values)[layer]
-
-
-def _byte_view(array):
-    """A writable numpy view (no copy) of an evaluated MLX array's memory,
-    as [num_blocks, ...] bytes; bfloat16 (which numpy lacks) through an MLX
-    view of the same buffer."""
-    import mlx.core as mx
-    import numpy as np
-
-    if array.dtype == mx.bfloat16:
-        array = mx.view(array, mx.uint16)
-        mx.eval(array)
-    view = np.asarray(array)
-    return view.reshape(view.shape[0], -1).view(np.uint8)
