@@ -9,9 +9,11 @@ the restored TTFT). Greedy first tokens are checked equal. Then the same payload
 written with block_file.write_block_file from per-block views (direct) and after
 concatenating it into one buffer (staged), and a dd-style write gives the disk's speed.
 
-    python benchmarks/bench_kv_disk.py [--tokens 2048 8000] [--dir DIR] [--json OUT]
+    python benchmarks/bench_kv_disk.py [--tokens 2048 8000] [--model llama-1gib] [--dir DIR] [--json OUT]
 
 The default model (SmolLM2-135M) takes at most 8192 positions: 8000 is the "8k" point.
+`--model llama-1gib` builds a random-weight llama (benchmarks/random_model.py) with
+32 KiB of K/V per token, so a 32k-token prefix is a 1 GiB payload.
 Results and their reading: docs/benchmarks.md#disk-kv-cache.
 """
 
@@ -66,6 +68,14 @@ def write_blocks(directory: Path, blocks: list[list[np.ndarray]], staged: bool) 
     return time.perf_counter() - start
 
 
+def kv_shape(model_dir: str) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a llama-family model directory."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"], heads, head_dim
+
+
 def measure(model_dir: str, tokens: int, directory: Path) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -75,8 +85,9 @@ def measure(model_dir: str, tokens: int, directory: Path) -> dict:
     prompt = rng.integers(100, 40000, tokens).tolist()
     warm = rng.integers(100, 40000, 40).tolist()
     params = SamplingParams(temperature=0, max_tokens=1)
+    layers, heads, head_dim = kv_shape(model_dir)
     engine_args = dict(dtype="float32", max_model_len=tokens + 64, seed=0, max_num_batched_tokens=tokens + 64,
-                       kv_cache_memory_bytes=(tokens // BLOCK + 16) * 30 * 2 * BLOCK * 3 * 64 * 4)
+                       kv_cache_memory_bytes=(tokens // BLOCK + 16) * layers * 2 * BLOCK * heads * head_dim * 4)
 
     def ttft(**extra):
         llm = LLM(model_dir, **engine_args, **extra)
@@ -108,7 +119,7 @@ def measure(model_dir: str, tokens: int, directory: Path) -> dict:
     files = sorted(kv_dir.glob("*.kvblock"))
     total = sum(f.stat().st_size for f in files)
 
-    sample = [[rng.standard_normal((BLOCK, 3, 64)).astype(np.float32) for _ in range(60)]
+    sample = [[rng.standard_normal((BLOCK, heads, head_dim), dtype=np.float32) for _ in range(2 * layers)]
               for _ in range(len(files))]
     scratch = directory / f"writes{tokens}"
     scratch.mkdir()
@@ -122,7 +133,7 @@ def measure(model_dir: str, tokens: int, directory: Path) -> dict:
     shutil.rmtree(scratch)
     gb = 1e9
     return dict(
-        tokens=tokens, files=len(files), bytes=total, same_first_token=ref == first == again,
+        model=Path(model_dir).name, tokens=tokens, files=len(files), bytes=total, same_first_token=ref == first == again,
         cached_tokens=cached,
         recompute_ttft_ms=recompute_s * 1e3, ttft_while_saving_ms=saving_s * 1e3, restored_ttft_ms=restored_s * 1e3,
         save_ms=save_stats["save_s"] * 1e3, save_gb_s=save_stats["bytes_saved"] / gb / max(save_stats["save_s"], 1e-9),
@@ -135,14 +146,21 @@ def measure(model_dir: str, tokens: int, directory: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8000])
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M) or a shape of benchmarks/random_model.py (llama-1gib)")
     parser.add_argument("--dir", help="where the block files go (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     from vllm_metal.default_model import ensure_default_model
 
-    model_dir = ensure_default_model()
     base = Path(args.dir or tempfile.mkdtemp(prefix="kv-bench-"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.model == "default":
+        model_dir = ensure_default_model()
+    else:
+        from random_model import build_named
+
+        model_dir = build_named(args.model, base / args.model)
     rows = []
     try:
         for tokens in args.tokens:
@@ -151,11 +169,11 @@ def main(argv=None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    print("| tokens | files | MB | recompute TTFT ms | restored TTFT ms | save ms (GB/s) | load ms (GB/s) | "
+    print("| model | tokens | files | MB | recompute TTFT ms | restored TTFT ms | save ms (GB/s) | load ms (GB/s) | "
           "direct / staged write ms | dd GB/s | same token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['files']} | {r['bytes'] / 1e6:.0f} | {r['recompute_ttft_ms']:.0f} | "
+        print(f"| {r['model']} | {r['tokens']} | {r['files']} | {r['bytes'] / 1e6:.0f} | {r['recompute_ttft_ms']:.0f} | "
               f"{r['restored_ttft_ms']:.0f} | {r['save_ms']:.0f} ({r['save_gb_s']:.2f}) | "
               f"{r['load_ms']:.0f} ({r['load_gb_s']:.2f}) | {r['direct_write_ms']:.0f} / {r['staged_write_ms']:.0f} | "
               f"{r['dd_write_gb_s']:.2f} | {r['same_first_token']} |")

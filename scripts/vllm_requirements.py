@@ -31,8 +31,9 @@ SKIPPED: dict[str, str] = {
     "instanttensor": "GPU-direct weight loading (weights load through MLX)",
     # Media towers for multimodal models; their Linux builds do not load
     # against a torch they were not built with and break transformers' imports.
+    # (torchvision is kept, pinned to vLLM's build for its torch: resolving
+    # Qwen3.5's architectures imports it; vllm_metal/versions.py.)
     "torchaudio": "audio models (not served)",
-    "torchvision": "vision models (not served); breaks transformers' imports when mismatched",
     "torchcodec": "video/audio decoding (not served)",
 }
 

@@ -104,12 +104,27 @@ def capabilities() -> dict:
         name, reason = ops.attention_path(mx.gpu if device == "gpu" and metal else mx.cpu)
         report["attention_path"] = {"name": name, "reason": reason}
         report["kv_cache"] = _kv_budget(device)
+        report["hybrid_state_writeback"] = _state_writeback(problems)
     if not active:
         problems.append(f"vLLM would not select this plugin: {why_active}")
     report["cuda_paths"] = _cuda_paths()
     report["problems"] = problems
     report["can_serve"] = not problems
     return report
+
+
+def _state_writeback(problems: list[str]) -> dict:
+    """Which write-back path hybrid models' linear-attention states take."""
+    from vllm_metal.models.state_slots import state_writeback_mode
+
+    try:
+        mode = state_writeback_mode()
+    except ValueError as e:
+        problems.append(str(e))
+        return {"mode": None, "reason": str(e)}
+    return {"mode": mode, "reason": {
+        "inplace": "each step scatters its rows' new states into the state pools, donated by MLX (no copy)",
+        "copy": "VLLM_METAL_STATE_WRITEBACK=copy: every step copies each state pool (ablation)"}[mode]}
 
 
 def _kv_budget(device: str) -> dict:
@@ -162,7 +177,16 @@ def model_check(model_dir: str) -> dict:
         result["reason"] = f"{type(e).__name__}: {e}"
         return result
     windows = sorted({w for w in m.sliding_windows if w})
-    result.update(served=True, reason=f"{m.num_layers} layers, {m.kv_summary()}"
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    flags = []
+    if m.has_linear:
+        flags.append("--no-enable-prefix-caching (a hybrid model: prefix caching is refused)")
+    if "vision_config" in config or any(a.endswith("ForConditionalGeneration")
+                                        for a in config.get("architectures") or []):
+        flags.append("--language-model-only (a multimodal checkpoint: only its text model is served)")
+    result.update(served=True, flags=[f.split(" ")[0] for f in flags],
+                  reason=f"{m.num_layers} layers, {m.kv_summary()}"
                   + (f", sliding windows {windows}" if windows else "")
-                  + (", MLX-quantized" if m.quantized else ""))
+                  + (", MLX-quantized" if m.quantized else "")
+                  + ("; serve with " + ", ".join(flags) if flags else ""))
     return result

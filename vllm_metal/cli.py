@@ -32,6 +32,9 @@ def format_report(r: dict) -> str:
         kv = r["kv_cache"]
         lines.append(f"kv cache    {_gib(kv['budget_bytes_before_weights'])} at --gpu-memory-utilization "
                      f"{kv['gpu_memory_utilization']} of {_gib(kv['device_memory_bytes'])}, before weights")
+    if r.get("hybrid_state_writeback", {}).get("mode"):
+        lines.append(f"hybrid      state write-back {r['hybrid_state_writeback']['mode']}: "
+                     f"{r['hybrid_state_writeback']['reason']}")
     lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
     lines.append("cuda paths  (inert: turned off with a warning; refused: asking for it is an error)")
     for p in r["cuda_paths"]:

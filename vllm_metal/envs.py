@@ -38,6 +38,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "Expand MLX-quantized weights at load: 'auto' on MLX's CPU device (its quantized "
         "matmul is far slower than BLAS) and not on Metal; '1' always; '0' never.",
     ),
+    "VLLM_METAL_STATE_WRITEBACK": (
+        "inplace",
+        "Hybrid models' per-request states (linear-attention layers): 'inplace' scatters each "
+        "step's new states into the state pools, which MLX donates (no copy); 'copy' copies "
+        "each pool first and writes into the copy (the cost of a write-back without donation; "
+        "for ablation and diagnosis). Both give identical results.",
+    ),
     "VLLM_METAL_CPU_THREADS": (
         None,
         "Threads used by the CPU paged-attention kernel (default: all cores).",

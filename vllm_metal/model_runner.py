@@ -107,9 +107,10 @@ class MetalModelRunner:
                 continue
             if kv.layout == "state":
                 cache = self.vllm_config.cache_config
+                # The convolution state in the model dtype, a recurrent state (if any) in float32.
+                dtypes = (dtype,) + (torch.float32,) * (len(kv.state_shapes) - 1)
                 specs[self.layer_name(i)] = MambaSpec(block_size=cache.mamba_block_size, shapes=kv.state_shapes,
-                                                      dtypes=(dtype, torch.float32),
-                                                      mamba_cache_mode=cache.mamba_cache_mode)
+                                                      dtypes=dtypes, mamba_cache_mode=cache.mamba_cache_mode)
                 continue
             common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=dtype)
             if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)

@@ -126,6 +126,37 @@ class MetalPlatform(Platform):
         return True
 
     @classmethod
+    def update_block_size_for_backend(cls, vllm_config) -> None:
+        """Hybrid models: the attention block size that keeps the KV cache's
+        block ids from running out first. vLLM's hybrid manager gives every
+        KV-cache group the same pages (the attention page padded to the
+        state page) from one pool of block ids; with 16-token attention
+        blocks and a Gated DeltaNet state of 1 MiB per layer, a 576-token
+        request takes 36 ids for its attention and 3 for its states, and
+        the pool runs out of ids while most of the memory is idle. vLLM's
+        own alignment (the base method) makes the attention page at least
+        the state page, but finds no attention layers here (the model is
+        MLX). So: the smallest block size the paged-attention primitive
+        supports whose attention page reaches the state page, else its
+        largest (128). Non-hybrid models and an explicit --block-size keep
+        theirs."""
+        cache, model = vllm_config.cache_config, vllm_config.model_config
+        if model is None or not model.is_hybrid or cache.user_specified_block_size:
+            return
+        try:
+            pages = _hybrid_page_sizes(vllm_config)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            # vLLM's model class cannot size this config's state (a field it
+            # reads is absent, e.g. lfm2's conv_dim, whose short-convolution
+            # state is small anyway): the default block size stays.
+            logger.info("vllm-metal: attention block size %d kept for %s (state page size unknown: %s)",
+                        cache.block_size, model.architecture, e)
+            return
+        cache.block_size = hybrid_attention_block_size(*pages)
+        logger.info("vllm-metal: attention block size %d for %s (%d bytes of K/V a token, a state page "
+                    "of %d bytes)", cache.block_size, model.architecture, *pages)
+
+    @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
 
@@ -186,6 +217,13 @@ class MetalPlatform(Platform):
             raise ValueError(f"vllm-metal keeps one linear-attention state slot per request: leave "
                              f"--mamba-block-size unset (got {cache.mamba_block_size}, below max_model_len "
                              f"{model.max_model_len}).")
+        if model is not None and model.is_multimodal_model and model.supports_multimodal_inputs:
+            # The runner feeds token ids to the text model only: an image or
+            # video in a prompt would be dropped, the answer silently wrong.
+            raise ValueError(f"vllm-metal serves only the text model of multimodal architectures "
+                             f"({model.architecture}): it runs no vision or audio encoder. Serve it text-only: "
+                             "--language-model-only (LLM(..., language_model_only=True)), or "
+                             "--limit-mm-per-prompt with 0 for every modality.")
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
@@ -220,3 +258,36 @@ class MetalPlatform(Platform):
             # A block file that fails to load (corrupt, vanished) is recomputed,
             # never a failed request: vLLM's default policy is "fail".
             kt.kv_load_failure_policy = "recompute"
+
+
+# Block sizes the paged-attention primitive supports (csrc/paged_attention.cpp
+# is_supported_block_size; tests/plugin/test_hybrid.py checks they agree).
+ATTENTION_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def hybrid_attention_block_size(attention_page_per_token: int, state_page: int, minimum: int = 16) -> int:
+    """The smallest supported block size >= `minimum` whose attention page
+    (bytes per token x block size) holds at least `state_page` bytes, else
+    the largest supported."""
+    for size in ATTENTION_BLOCK_SIZES:
+        if size >= minimum and size * attention_page_per_token >= state_page:
+            return size
+    return ATTENTION_BLOCK_SIZES[-1]
+
+
+def _hybrid_page_sizes(vllm_config) -> tuple[int, int]:
+    """(attention bytes per token of one layer, one layer's state page), as
+    vLLM's own hybrid alignment computes them: the state shapes and dtypes
+    from vLLM's model class for the architecture (its config resolution;
+    the runner allocates mlx-lm's shapes, of the same sizes)."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    state_page = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
+                           dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                           block_size=-1).page_size_bytes
+    attention = FullAttentionSpec(block_size=1, num_kv_heads=model.get_num_kv_heads(parallel),
+                                  head_size=model.get_head_size(), dtype=model.dtype).page_size_bytes
+    return attention, state_page

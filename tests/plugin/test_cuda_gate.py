@@ -31,6 +31,7 @@ def test_doctor_json_on_this_machine():
     assert report["mlx"]["version"] == "0.32.4" and report["mlx"]["device"] == "cpu"
     assert report["extension"] == {"built_against_mlx": "0.32.4", "metal_kernels": False, "loaded": True}
     assert report["attention_path"]["name"] == "cpu" and report["attention_path"]["reason"]
+    assert report["hybrid_state_writeback"]["mode"] == "inplace"
     assert len(report["cuda_paths"]) == len(cuda_gate.CUDA_PATHS)
     assert all(p["status"] == {"warn": "inert", "error": "refused"}[p["if_requested"]] and p["reason"]
                and p["instead"] for p in report["cuda_paths"])

@@ -48,7 +48,9 @@ def check_registry_facts(model_type, variant):
     attention = loaded.model.layers[first].self_attn
     kind = "mla" if loaded.layer_kv[first].layout == "latent" else "sinks" if attention.has_sinks else "gqa"
     assert kind == family.attention, f"{model_type}: attention kind"
-    assert loaded.has_linear == family.linear, f"{model_type}: linear-attention layers"
+    assert loaded.has_linear == bool(family.linear), f"{model_type}: linear-attention layers"
+    linear = {m.kind for _, m in loaded.model.named_modules() if hasattr(m, "state_shapes")}
+    assert linear == ({family.linear} if family.linear else set()), f"{model_type}: linear-attention kind"
 
 
 def generate(llm, prompts, prompt_logprobs=None):

@@ -1,8 +1,9 @@
 """Hybrid linear-attention models (qwen3_next) beyond the parity matrix:
 the state slots live in vLLM's hybrid KV-cache manager (a Mamba group beside
-the attention group), survive preemption and recompute, never leak from a
-slot's previous owner into a new request, and are written back in place
-(donated, never copied); prefix caching -- which would need per-block state
+the attention group), survive preemption and recompute, are all freed when
+the requests end, and are written back in place (donated, never copied) or,
+switched, copied with identical results (a slot's previous owner never
+leaking into a new request: test_hybrid_families.py); prefix caching -- which would need per-block state
 checkpoints -- is refused when turned on."""
 
 from __future__ import annotations
@@ -25,51 +26,65 @@ def hybrid_dir(model_dir, tmp_path_factory):
 
 
 def test_preemption_recomputes_the_state(hybrid_dir):
+    """A tiny cache forces preemptions; tokens equal an unconstrained engine
+    whose attention blocks are 16 tokens (--block-size 16) where the
+    platform's own choice for this model is 32 (the smallest block size whose
+    attention page holds one layer's state, 5.5 KiB)."""
     prompts = [LONG[20 * i:20 * i + 150 + 10 * i] for i in range(8)]  # 150..220 tokens
     common = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=False)
-    with engine(hybrid_dir, kv_cache_memory_bytes=16 << 20, **common) as llm:
+    with engine(hybrid_dir, kv_cache_memory_bytes=16 << 20, block_size=16, **common) as llm:
         expected, _ = greedy(llm, prompts, max_tokens=64)
+        assert sorted(runner_of(llm).block_sizes) == [16, 512]
         # The budget holds although every layer has arrays of its own (vLLM's
         # plan lets one layer per group share a tensor): the worker scales it.
         assert sum(a.nbytes for a in runner_of(llm).kv.arrays()) <= 16 << 20
-    # 40 blocks (vLLM wants room for one max_model_len request: 32 + 1): each
-    # request needs 14-18 attention blocks and 1 state slot, so 8 at once
-    # cannot all keep theirs.
+    # 40 blocks (vLLM wants room for one max_model_len request: 16 + 1): each
+    # request needs 7-9 attention blocks of 32 tokens and 1 state slot, so 8
+    # at once cannot all keep theirs.
     with engine(hybrid_dir, num_gpu_blocks_override=40, **common) as llm:
         runner = runner_of(llm)
         tokens, _ = greedy(llm, prompts, max_tokens=64)
         resumed = runner.batch.num_resumed
         state_pool = runner.kv.values[0]
-    # Two KV-cache groups: attention (16-token blocks) and the state slots
+        # Every request has ended: each group's manager holds no blocks for any
+        # request, and the pool has all its blocks back (but the null block).
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        held = {type(m).__name__: sum(map(len, m.req_to_blocks.values()))
+                for m in manager.coordinator.single_type_managers}
+        pool = manager.block_pool
+        free = pool.get_num_free_blocks()
+    assert "MambaManager" in held and set(held.values()) == {0}, held
+    assert free == pool.num_gpu_blocks - 1
+    # Two KV-cache groups: attention (32-token blocks) and the state slots
     # (one per request: block size = max_model_len).
-    assert sorted(runner.block_sizes) == [16, 512]
+    assert sorted(runner.block_sizes) == [32, 512]
     assert state_pool.shape[0] == 40 and state_pool.dtype == mx.float32
     assert resumed > 0, "the tiny cache should have forced preemptions"
     assert tokens == expected
 
 
-def test_a_reused_slot_starts_from_zero(hybrid_dir):
-    """A slot still holding an earlier request's state (vLLM does not clear
-    freed blocks) gives a new request (num_computed 0) exactly what a zeroed
-    slot gives; a request continuing from that slot does read it."""
-    loaded = load_model(hybrid_dir, dtype="float32")
-    layer_group = [0] * loaded.num_layers
+def test_attention_block_size_follows_the_state_page():
+    """The platform's block size for hybrids: the smallest the primitive
+    supports whose attention page reaches one layer's state page (Qwen3.5-0.8B:
+    4 KiB of K/V a token against a 1.07 MiB Gated DeltaNet state: the largest,
+    128), and the sizes it picks from are the primitive's."""
+    from vllm_metal import ops
+    from vllm_metal.platform import ATTENTION_BLOCK_SIZES, hybrid_attention_block_size
 
-    def run(prompt, num_computed, dirty):
-        kv = loaded.allocate_kv(8, [16], layer_group)
-        if dirty:
-            for i, spec in enumerate(loaded.layer_kv):
-                if spec.layout == "state":
-                    kv.keys[i] = kv.keys[i] + 3.0
-                    kv.values[i] = kv.values[i] + 0.5
-        inputs = build_step_inputs([ScheduledRow(prompt, num_computed, [[1, 2, 3, 4]])], [16])
-        logits = loaded.forward(kv, inputs, np.arange(len(prompt)))
-        mx.eval(logits)
-        return np.array(logits)
-
-    prompt = LONG[:40]
-    np.testing.assert_array_equal(run(prompt, 0, dirty=True), run(prompt, 0, dirty=False))
-    assert not np.allclose(run(prompt[:8], 16, dirty=True), run(prompt[:8], 16, dirty=False), atol=1e-3)
+    assert hybrid_attention_block_size(256, 5632) == 32
+    assert hybrid_attention_block_size(256, 4096) == 16
+    assert hybrid_attention_block_size(4096, 3 * 6144 * 4 + 16 * 128 * 128 * 4) == 128
+    assert hybrid_attention_block_size(4096, 200_000) == 64
+    for size in (4, 8, 16, 32, 64, 128, 256):
+        q = mx.zeros((1, 1, 8))
+        cache = mx.zeros((2, size, 1, 8))
+        args = (q, cache, cache, mx.array([[0]], dtype=mx.int32), mx.array([1], dtype=mx.int32),
+                mx.array([0, 1], dtype=mx.int32))
+        if size in ATTENTION_BLOCK_SIZES:
+            mx.eval(ops.paged_attention(*args, scale=1.0))
+        else:
+            with pytest.raises(ValueError, match=f"block_size {size} is not supported"):
+                ops.paged_attention(*args, scale=1.0)
 
 
 def test_prefix_caching_is_refused_for_hybrids_only(hybrid_dir, model_dir):
@@ -89,23 +104,52 @@ def test_prefix_caching_is_refused_for_hybrids_only(hybrid_dir, model_dir):
     assert plain.scheduler_config.disable_hybrid_kv_cache_manager is True  # one KV-cache group, as before
 
 
-def test_state_pools_are_updated_in_place(hybrid_dir):
-    """The functional scatter `pool[slots] = new` is donated: after steps of
-    prefill and decode rows the state pools keep their buffers, and the peak
-    grows by less than one pool (a copy of any pool would add 8 MiB)."""
+def _run_steps(loaded, kv, states):
+    """Four steps of a prefill row and a decode-sized row: the logits of each,
+    and the state pools' buffer addresses before and after each step."""
     from vllm_metal import ops
 
-    address = ops._ext.buffer_address
-    loaded = load_model(hybrid_dir, dtype="float32")
-    kv = loaded.allocate_kv(2048, [16], [0] * loaded.num_layers)
-    states = [i for i, spec in enumerate(loaded.layer_kv) if spec.layout == "state"]
-    before = [(address(kv.keys[i]), address(kv.values[i])) for i in states]
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
+    def addresses():
+        return [(ops._ext.buffer_address(kv.keys[i]), ops._ext.buffer_address(kv.values[i])) for i in states]
+
+    logits, moves = [], []
     for done in range(0, 40, 10):
         rows = [ScheduledRow(LONG[done:done + 10], done, [[1, 2, 3]]),
                 ScheduledRow(LONG[done:done + 3], done, [[5, 6, 7]])]
-        logits = loaded.forward(kv, build_step_inputs(rows, [16]), np.arange(2))
-        mx.eval(logits, kv.arrays())
-    assert [(address(kv.keys[i]), address(kv.values[i])) for i in states] == before, "a state pool was copied"
-    assert mx.get_peak_memory() - base < kv.values[states[0]].nbytes
+        before = addresses()
+        out = loaded.forward(kv, build_step_inputs(rows, [16]), np.arange(2))
+        mx.eval(out, kv.arrays())
+        logits.append(np.array(out))
+        moves.append([a != b for pair in zip(before, addresses()) for a, b in zip(*pair)])
+    return logits, moves
+
+
+@pytest.mark.parametrize("mode", ["inplace", "copy"])
+def test_state_write_back_in_place_or_copied(hybrid_dir, mode, monkeypatch):
+    """VLLM_METAL_STATE_WRITEBACK: in place, the functional scatter
+    `pool[slots] = new` is donated -- through steps of prefill and decode rows
+    every state pool keeps its buffer and the peak grows by less than one pool
+    (a copy of any pool would add 8 MiB); copied, every step writes every pool
+    into a new buffer. Both give bit-identical logits."""
+    loaded = load_model(hybrid_dir, dtype="float32")
+    states = [i for i, spec in enumerate(loaded.layer_kv) if spec.layout == "state"]
+    kv = loaded.allocate_kv(2048, [16], [0] * loaded.num_layers)
+    monkeypatch.setenv("VLLM_METAL_STATE_WRITEBACK", mode)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    logits, moves = _run_steps(loaded, kv, states)
+    if mode == "inplace":
+        assert not any(any(step) for step in moves), "a state pool was copied"
+        assert mx.get_peak_memory() - base < kv.values[states[0]].nbytes
+    else:
+        assert all(all(step) for step in moves), "a state pool was donated"
+    monkeypatch.setenv("VLLM_METAL_STATE_WRITEBACK", "copy" if mode == "inplace" else "inplace")
+    other, _ = _run_steps(loaded, loaded.allocate_kv(2048, [16], [0] * loaded.num_layers), states)
+    for a, b in zip(logits, other):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_write_back_mode_is_refused(hybrid_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_METAL_STATE_WRITEBACK", "sideways")
+    with pytest.raises(ValueError, match="VLLM_METAL_STATE_WRITEBACK='sideways'"):
+        load_model(hybrid_dir, dtype="float32")

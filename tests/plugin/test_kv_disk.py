@@ -152,6 +152,36 @@ def test_restart_restores_prefix(model_dir, reference, saved, tmp_path):
         np.testing.assert_allclose([g[t].logprob for t in w], [w[t].logprob for t in w], atol=1e-4)
 
 
+def test_served_usage_reports_restored_tokens_as_cached(model_dir, reference, saved, tmp_path):
+    """`vllm serve` with only VLLM_METAL_KV_DISK set: a prompt whose blocks are on
+    disk reports them in the OpenAI usage as cached prompt tokens
+    (--enable-prompt-tokens-details) and answers as without the connector; a
+    prompt that was never saved reports none."""
+    import httpx
+    from server_helpers import SERVED_NAME, vllm_server
+    from transformers import AutoTokenizer
+
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    for p in files(saved):
+        (directory / p.name).write_bytes(p.read_bytes())
+    unsaved = LONG[450:570]
+    with vllm_server(model_dir, "--enable-prompt-tokens-details", env={"VLLM_METAL_KV_DISK": str(directory)},
+                     log_path=tmp_path / "serve.log") as (base, _):
+        def complete(prompt):
+            r = httpx.post(base + "/v1/completions", timeout=120, json=dict(
+                model=SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+            r.raise_for_status()
+            return r.json()
+
+        restored, fresh = complete(PROMPTS[3]), complete(unsaved)
+    assert restored["usage"]["prompt_tokens"] == len(PROMPTS[3])
+    assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == RESTORABLE * BLOCK
+    assert (fresh["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) == 0
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert restored["choices"][0]["text"] == tokenizer.decode(reference["prompts"][3]["tokens"])
+
+
 def test_corruption_catalogue(model_dir, reference, saved, tmp_path, caplog):
     directory = tmp_path / "kv"
     directory.mkdir()

@@ -23,6 +23,21 @@ def test_installed_versions_are_the_pinned_ones():
     assert metadata.version("mlx") == versions.MLX
     assert metadata.version("mlx-lm") == versions.MLX_LM
     assert metadata.version("torch").split("+")[0] == versions.TORCH
+    assert metadata.version("torchvision").split("+")[0] == versions.TORCHVISION
+
+
+def test_torchvision_pin_is_vllms_and_loads():
+    # The set-up installs vLLM's own torchvision pin (the build for its
+    # torch) beside torch; a mismatched build fails at import (its C++ ops).
+    import torch
+    import torchvision
+    from packaging.requirements import Requirement
+
+    requirements = [Requirement(line) for line in metadata.requires("vllm") or []]
+    pins = {r.name: str(r.specifier) for r in requirements if r.marker is None}
+    assert pins["torch"] == f"=={versions.TORCH}" and pins["torchvision"] == f"=={versions.TORCHVISION}"
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.1]])
+    assert torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8]), 0.5).tolist() == [0]
 
 
 @pytest.mark.parametrize("version,ok", [("0.33.0", True), ("0.33.7", True), ("0.33.1rc1+cu130", True),
@@ -105,7 +120,7 @@ def test_nothing_skipped_is_imported_when_serving():
     assert out.returncode == 0, out.stderr[-3000:]
     modules = set(eval(out.stdout.strip().splitlines()[-1]))
     imported = {"flashinfer", "tilelang", "cutlass", "quack", "tokenspeed_mla", "humming_kernels",
-                "PyNvVideoCodec", "fastsafetensors", "instanttensor", "torchvision", "torchaudio",
+                "PyNvVideoCodec", "fastsafetensors", "instanttensor", "torchaudio",
                 "torchcodec"} & modules
     assert not imported, imported
 

@@ -31,7 +31,7 @@ class StepAttentionInputs:
     block_tables: list[mx.array]  # int32 [num_seqs, max_blocks]
     slot_mappings: list[np.ndarray]  # int64 [num_tokens], host data
     # Hybrid models: the rows as a padded batch for linear-attention layers
-    # (models/gated_delta.LinearStepInputs), else None.
+    # (models/state_slots.LinearStepInputs), else None.
     linear: object = None
 
 
@@ -45,6 +45,9 @@ class PagedKVCache:
     step: StepAttentionInputs | None = None
     # Hook for VLLM_METAL_SYNC_PER_LAYER: called with each layer's outputs.
     after_layer: object = field(default=None, repr=False)
+    # Arrays a step keeps alive until the next one starts (the state pools'
+    # copy write-back, VLLM_METAL_STATE_WRITEBACK=copy); emptied by each forward.
+    retained: list = field(default_factory=list, repr=False)
 
     def arrays(self) -> list[mx.array]:
         """Every cache array (layers sharing another's cache, and MLA's absent V, hold None)."""
@@ -102,7 +105,7 @@ def _first(module: nn.Module, names: tuple[str, ...]) -> str | None:
 ALIASES = {
     "n_heads": ("n_heads", "num_heads", "num_attention_heads"),
     "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "num_kv_heads"),
-    "o_proj": ("o_proj", "dense"),
+    "o_proj": ("o_proj", "dense", "out_proj"),  # phi's dense, lfm2's out_proj
     "scale": ("scale", "sm_scale", "softmax_scale"),
     "q_norm": ("q_norm", "q_layernorm"),  # before RoPE (stablelm's name)
     "k_norm": ("k_norm", "k_layernorm"),
@@ -157,8 +160,10 @@ class PagedAttentionLayer(nn.Module):
         rope = getattr(inner, "rope", None)
         if getattr(inner, "use_sliding_window", True) is False:
             rope = None
+        # A `rope` attribute set to None says NoPE too (granitemoehybrid's
+        # position_embedding_type "nope"); a module without one does not.
         if rope is None and getattr(inner, "use_rope", None) is None \
-                and not hasattr(inner, "use_sliding_window"):
+                and not hasattr(inner, "use_sliding_window") and "rope" not in vars(inner):
             raise NotImplementedError(f"attention module {type(inner).__name__} has no rope and does not say "
                                       "it is a NoPE layer")
         self.uses_rope = rope is not None

@@ -20,10 +20,19 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
                                                  StepAttentionInputs, check_rope)
-from vllm_metal.models.gated_delta import GatedDeltaLayer, build_linear_inputs  # noqa: E402
+from vllm_metal.models.gated_delta import GatedDeltaLayer  # noqa: E402
+from vllm_metal.models.mamba2 import Mamba2Layer  # noqa: E402
 from vllm_metal.models.registry import check_served  # noqa: E402
+from vllm_metal.models.short_conv import ShortConvLayer  # noqa: E402
+from vllm_metal.models.state_slots import build_linear_inputs, state_writeback_mode  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# A hybrid family's linear-attention layers: the decoder block's attribute
+# holding one (where the block has no self_attn), and what runs it on state
+# slots: Gated DeltaNet (qwen3_next), short convolutions (lfm2, lfm2_moe), Mamba-2
+# mixers (granitemoehybrid).
+LINEAR_LAYERS = {"linear_attn": GatedDeltaLayer, "conv": ShortConvLayer, "mamba": Mamba2Layer}
 
 
 @dataclass(frozen=True)
@@ -35,11 +44,12 @@ class LayerKV:
     head_dim: int  # K's head size (MLA: kv_lora_rank + rope dims, one latent row per token)
     # "kv": separate K and V caches; "latent": one cache (MLA), V = its first
     # v_head_dim; "state": a linear-attention layer's per-request state slots
-    # (conv state in the model dtype, recurrent state in float32; state_shapes)
+    # (state_shapes: the convolution state in the model dtype, then the
+    # recurrent state in float32 where the layer has one)
     layout: str = "kv"
     v_head_dim: int | None = None  # V's head size where it differs from head_dim (MLA)
     source: int | None = None  # reads this earlier layer's cache instead of its own (gemma4's KV sharing)
-    state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": per request, (conv, recurrent)
+    state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": per request, (conv[, recurrent])
 
 
 @dataclass
@@ -61,7 +71,7 @@ class LoadedModel:
         kinds = {}
         for kv in own:
             text = (f"latent rows of {kv.head_dim} (V: first {kv.v_head_dim})" if kv.layout == "latent"
-                    else f"linear-attention states {kv.state_shapes[0]} + {kv.state_shapes[1]}"
+                    else "linear-attention states " + " + ".join(str(s) for s in kv.state_shapes)
                     if kv.layout == "state" else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
             kinds[text] = kinds.get(text, 0) + 1
         shared = len(self.layer_kv) - len(own)
@@ -75,13 +85,14 @@ class LoadedModel:
         layers use block size block_sizes[g]); MLA layers get their one latent
         cache only (values[i] None), layers sharing another's cache none.
         Linear-attention layers get their state pools, one slot per block id:
-        keys[i] the convolution states, values[i] the recurrent states."""
+        keys[i] the convolution states, values[i] the recurrent states (None
+        where the layer has none: lfm2's short convolutions)."""
         keys, values = [], []
         for kv, g in zip(self.layer_kv, layer_group):
             if kv.layout == "state":
-                conv, recurrent = kv.state_shapes
+                conv, *recurrent = kv.state_shapes
                 keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
-                values.append(mx.zeros((num_blocks, *recurrent), dtype=mx.float32))
+                values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
                 continue
             shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
             keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
@@ -100,6 +111,7 @@ class LoadedModel:
         head: lazy float32 logits of the hidden rows `logit_rows`; the caches
         in `kv` are replaced by their written versions (evaluate them with the
         logits)."""
+        kv.retained = []
         kv.step = StepAttentionInputs(
             positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
             cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
@@ -120,14 +132,27 @@ class LoadedModel:
         the model's own output head: mlx-lm's `Model.__call__` runs with its
         inner model standing in as "these hidden rows", so whatever the family
         does after the decoder (tied or separate head, final logit softcap,
-        logit_scale, logits_scaling) is mlx-lm's code, never re-implemented."""
-        inner = self.model.model
-        self.model["model"] = _HiddenRows(inner, hidden[None])
+        logit_scale, logits_scaling) is mlx-lm's code, never re-implemented.
+        A wrapper whose `model` is a property (qwen3_5: the text model under
+        `language_model`) has the stand-in put where the decoder really is."""
+        owner = decoder_owner(self.model)
+        inner = owner["model"]
+        owner["model"] = _HiddenRows(inner, hidden[None])
         try:
             out = self.model(mx.zeros((1, hidden.shape[0]), dtype=mx.int32))
         finally:
-            self.model["model"] = inner
+            owner["model"] = inner
         return out[0].astype(mx.float32)
+
+
+def decoder_owner(model: nn.Module) -> nn.Module:
+    """The module holding the decoder as its child `model`: the mlx-lm
+    `Model` itself, or the text model it wraps (`language_model`: qwen3_5)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if isinstance(owner, nn.Module) and isinstance(owner.get("model"), nn.Module):
+            return owner
+    raise NotImplementedError(f"{type(model).__module__}.{type(model).__name__}: no decoder child `model` "
+                              "(on the model or its language_model) for the output head to run after")
 
 
 class _HiddenRows:
@@ -172,6 +197,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                                   f"{_model_type(path)!r} from {path / 'config.json'}: "
                                   f"{type(e).__name__}: {e}") from e
     family = check_served(config.get("model_type"))
+    if family.linear:
+        state_writeback_mode()  # a bad VLLM_METAL_STATE_WRITEBACK is refused here, not at the first step
     attention_class = (importlib.import_module(f"vllm_metal.models.{family.module}").Attention
                        if family.module else PagedAttentionLayer)
     if dequantize and _has_quantized(model):
@@ -183,15 +210,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if inner is None or layers is None or not hasattr(inner, "embed_tokens"):
         raise NotImplementedError(f"model type {config.get('model_type')!r}: expected an mlx-lm "
                                   "decoder with .model.embed_tokens and .layers")
+    decoder_owner(model)  # the output head's call can reach the decoder
     windows, layer_kv = [], []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        linear = getattr(layer, "linear_attn", None)
-        if attn is None and linear is not None and family.linear:
-            layer.linear_attn = GatedDeltaLayer(linear)
+        mixer = next((name for name in LINEAR_LAYERS if getattr(layer, name, None) is not None), None)
+        if attn is None and mixer is not None and family.linear:
+            setattr(layer, mixer, LINEAR_LAYERS[mixer](getattr(layer, mixer)))
             windows.append(None)
             layer_kv.append(LayerKV(num_kv_heads=0, head_dim=0, layout="state",
-                                    state_shapes=layer.linear_attn.state_shapes))
+                                    state_shapes=getattr(layer, mixer).state_shapes))
             continue
         if attn is None:
             raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} has no "

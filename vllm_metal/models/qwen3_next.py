@@ -1,4 +1,5 @@
-"""qwen3_next: what its full-attention layers add to the generic path.
+"""qwen3_next (and qwen3_5 / qwen3_5_moe, whose mlx-lm code imports this very
+attention class): what its full-attention layers add to the generic path.
 
 The query projection carries an output gate beside the queries (per head:
 [queries | gate]); the attention output is multiplied by sigmoid(gate)

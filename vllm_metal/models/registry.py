@@ -13,9 +13,11 @@ reads what a family adds from its mlx-lm attention module (gpt_oss's sinks
 included). A family whose attention computes something else has its own
 small module in this package, named in `Family.module` (ministral3: a
 per-token query scale; mla: latent attention; gemma4: per-layer head sizes,
-keys as values, KV sharing; qwen3_next: gated full attention). A hybrid
-family (`Family.linear`) also has Gated DeltaNet layers, run on per-request
-state slots by models/gated_delta.py.
+keys as values, KV sharing; qwen3_next: gated full attention, qwen3_5's
+too). A hybrid family (`Family.linear`) also has linear-attention layers,
+run on per-request state slots: Gated DeltaNet (models/gated_delta.py:
+qwen3_next's packed projections, qwen3_5's separate ones), short
+gated convolutions (models/short_conv.py), Mamba-2 mixers (models/mamba2.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class Family:
     sliding: bool = False  # some layers attend within a window (the parity model checks it has some)
     moe: bool = False  # mlx-lm's switch (MoE) layers (the parity model checks it has them)
     module: str | None = None  # vllm_metal.models.<module> holds its attention, else the generic adapter
-    linear: bool = False  # hybrid: some layers are Gated DeltaNet linear attention (models/gated_delta.py)
+    # hybrid: the kind of its linear-attention layers, as their wrapper names it
+    # ("gated delta": gated_delta.py, "short conv": short_conv.py, "mamba2": mamba2.py)
+    linear: str | None = None
 
 
 SERVED: dict[str, Family] = {
@@ -100,9 +104,40 @@ SERVED: dict[str, Family] = {
     "qwen3_next": Family("hybrid: Gated DeltaNet linear-attention layers (conv kernel 4, recurrent state per "
                          "request in vLLM's Mamba-style state slots) between gated full-attention layers "
                          "(sigmoid output gate, q/k norms, partial RoPE); MoE with a shared expert",
-                         moe=True, module="qwen3_next", linear=True),
+                         moe=True, module="qwen3_next", linear="gated delta"),
+    "qwen3_5": Family("hybrid like qwen3_next: Gated DeltaNet layers with separate qkv, z, b and a projections "
+                      "(two linear layers per full one), qwen3_next's gated full attention (partial RoPE); the "
+                      "text model under `language_model`, its config under `text_config`; tied head",
+                      module="qwen3_next", linear="gated delta"),
+    "qwen3_5_moe": Family("qwen3_5's hybrid layers (as many value heads as key heads) with MoE and a shared "
+                          "expert on every layer", moe=True, module="qwen3_next", linear="gated delta"),
     "glm4_moe_lite": Family("latent KV cache with mlx-lm's absorbed embed_q / unembed_out, shared experts",
                             attention="mla", moe=True, module="mla"),
+    "lfm2": Family("hybrid: short gated convolutions (kernel 3, conv bias; only a convolution state per "
+                   "request, in vLLM's Mamba-style state slots) between full-attention layers (per-head q/k "
+                   "layer norms, out_proj); tied head", linear="short conv"),
+    "lfm2_moe": Family("lfm2's hybrid layers (short convolutions without bias) with a dense first MLP, then "
+                       "sigmoid-routed experts picked with an expert bias, routing weights scaled", moe=True,
+                       linear="short conv"),
+    "granitemoehybrid": Family("hybrid: Mamba-2 mixers (8 heads in 2 groups sharing B / C, state size 16, "
+                               "conv kernel 4; convolution and SSM states per request in vLLM's Mamba-style "
+                               "state slots) between NoPE attention layers; embedding / attention / residual "
+                               "multipliers, logits_scaling, MoE beside a shared MLP", moe=True,
+                               linear="mamba2"),
+}
+
+
+# Families mlx-lm has that are known not to fit yet, and what is missing
+# (docs/models.md, "Not served yet", says more); the refusal names it.
+NOT_YET: dict[str, str] = {
+    "nemotron_h": "its decoder is not the one-cache-per-layer decoder the loader assumes (under `backbone`, "
+                  "every block's module called `mixer`, MLP / MoE blocks without a cache, caches handed to the "
+                  "Mamba and attention blocks by a counter over them)",
+    "falcon_h1": "each layer runs a Mamba-2 mixer and attention side by side, so one layer would own both a "
+                 "KV cache and state slots (the runner keeps one cache per layer)",
+    "kimi_linear": "its Kimi Delta Attention layers keep four states each (q / k / v convolution states and the "
+                   "recurrent matrix) with a per-channel decay, and its latent attention (no RoPE on "
+                   "q_pe / k_pe) is not proven by models/mla.py's parity models",
 }
 
 
@@ -113,10 +148,11 @@ class UnservedModelError(NotImplementedError):
 def check_served(model_type: str | None) -> Family:
     if model_type in SERVED:
         return SERVED[model_type]
+    known = f" For {model_type}: {NOT_YET[model_type]}." if model_type in NOT_YET else ""
     raise UnservedModelError(
         f"model type {model_type!r} is not served by vllm-metal yet: no parity test proves the paged "
         f"path against mlx-lm for it, and serving it unproven risks silently wrong answers (a dropped "
-        f"softcap, logit scale or sliding window). Served: {', '.join(sorted(SERVED))}.")
+        f"softcap, logit scale or sliding window).{known} Served: {', '.join(sorted(SERVED))}.")
 
 
 def quant_format(model_type: str) -> tuple[int, int, bool]:
@@ -134,7 +170,7 @@ def markdown_table() -> str:
         quant = f"float32, MLX {bits}-bit g{group}" + (" mixed per layer, 8-bit embeddings" if mixed else "")
         if name == "llama":
             quant += "; bf16, fp16, 4-bit kept quantized (SmolLM2)"
-        attention = f.attention + " + gated delta (linear)" if f.linear else f.attention
+        attention = f"{f.attention} + {f.linear} (linear)" if f.linear else f.attention
         lines.append(f"| `{name}` | {attention} | {'yes' if f.sliding else '-'} | {'yes' if f.moe else '-'} "
                      f"| {quant} | {f.notes or '-'} |")
     return "\n".join(lines)

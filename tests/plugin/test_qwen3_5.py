@@ -1,0 +1,95 @@
+"""Qwen3.5 beyond the parity matrix (test_family_parity.py proves its text
+architectures, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`):
+
+- vLLM resolves both text architectures (its qwen3_5 module imports its
+  vision sibling, which needs the torchvision the set-up installs), its
+  layer types agreeing with the layers mlx-lm builds;
+- the multimodal architecture Qwen3.5 checkpoints ship
+  (`Qwen3_5ForConditionalGeneration`, M-RoPE sections in its rope
+  parameters) is refused unless served text-only (vllm-metal runs no vision
+  encoder), and text-only it matches mlx-lm's forward.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from engine_helpers import GOLDEN, engine
+from families import build, reference_logprobs
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+LONG = GOLDEN[-1]["prompt_ids"]
+TOL = 1e-3
+
+
+@pytest.mark.parametrize("model_type,arch", [("qwen3_5", "Qwen3_5ForCausalLM"),
+                                             ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
+def test_text_architectures_resolve(model_type, arch, model_dir, tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_metal.models.loader import load_model
+
+    variant = build(model_type, tmp_path / model_type, model_dir)
+    config = EngineArgs(model=variant, dtype="float32", max_model_len=512,
+                        enable_prefix_caching=False).create_engine_config().model_config
+    assert config.architecture == arch and config.is_hybrid and not config.is_multimodal_model
+    assert config.get_vocab_size() == json.loads((tmp_path / model_type / "config.json").read_text())[
+        "text_config"]["vocab_size"]
+    loaded = load_model(variant, materialize=False)
+    kinds = ["linear_attention" if kv.layout == "state" else "full_attention" for kv in loaded.layer_kv]
+    assert config.hf_text_config.layer_types == kinds
+
+
+@pytest.fixture(scope="module")
+def multimodal_dir(model_dir, tmp_path_factory):
+    """The dense parity model as Qwen3.5 checkpoints declare it: the
+    multimodal architecture, interleaved M-RoPE sections (text-only, every
+    section sees the same position: plain RoPE, as mlx-lm computes it)."""
+    out = tmp_path_factory.mktemp("qwen3_5_vl") / "qwen3_5"
+    build("qwen3_5", out, model_dir)
+    config = json.loads((out / "config.json").read_text())
+    config["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    config["text_config"]["rope_parameters"].update(mrope_section=[1, 1, 0], mrope_interleaved=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return str(out)
+
+
+def test_multimodal_architecture_is_refused_unless_text_only(multimodal_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    common = dict(model=multimodal_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration.*--language-model-only"):
+        EngineArgs(**common).create_engine_config()
+    with pytest.raises(ValueError, match="runs no vision or audio encoder"):  # one modality still open
+        EngineArgs(**common, limit_mm_per_prompt={"image": 0}).create_engine_config()
+    for text_only in (dict(language_model_only=True), dict(limit_mm_per_prompt={"image": 0, "video": 0})):
+        config = EngineArgs(**common, **text_only).create_engine_config().model_config
+        assert config.is_hybrid and not config.supports_multimodal_inputs
+
+
+def test_doctor_names_the_flags_a_qwen3_5_checkpoint_needs(multimodal_dir):
+    from vllm_metal.capabilities import model_check
+
+    report = model_check(multimodal_dir)
+    assert report["served"] and report["flags"] == ["--no-enable-prefix-caching", "--language-model-only"]
+    assert "multimodal checkpoint" in report["reason"]
+
+
+def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir):
+    prompts = [LONG[:20], LONG[100:190]]
+    ref = reference_logprobs(multimodal_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    with engine(multimodal_dir, max_model_len=512, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+                enable_prefix_caching=False, language_model_only=True) as llm:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        lp = ref(prompt + tokens[:-1])
+        rows = lp[len(prompt) - 1:]
+        assert (rows[np.arange(len(tokens)), tokens] >= rows.max(axis=1) - TOL).all()
+        got = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+        np.testing.assert_allclose(got, lp[np.arange(len(prompt) - 1), prompt[1:]], atol=TOL)
