@@ -79,3 +79,17 @@ def test_other_hybrids_are_refused_with_the_reason(model_type, tmp_path):
     with pytest.raises(UnservedModelError, match=f"is not served.* For {model_type}: .*Served: "):
         load_model(tmp_path)
     assert NOT_YET[model_type]
+
+
+def test_uniform_steps_skip_the_mask_and_carry_passes():
+    """A decode step (every row one token, every row continuing) has no
+    padding and nothing to zero: no mask and no carried flags, so the layers
+    skip those passes over the states; a mixed step keeps both."""
+    from vllm_metal.models.state_slots import build_linear_inputs
+
+    decode = build_linear_inputs(np.array([0, 1, 2, 3]), np.array([40, 7, 300]))
+    assert decode.mask is None and decode.carried is None
+    mixed = build_linear_inputs(np.array([0, 1, 5]), np.array([40, 0, 1, 2, 3]))
+    assert np.array(mixed.mask).tolist() == [[True, False, False, False], [True, True, True, True]]
+    assert np.array(mixed.carried).tolist() == [True, False]
+    np.testing.assert_array_equal(np.array(mixed.unpad_index), [0, 4, 5, 6, 7])

@@ -52,9 +52,13 @@ class LinearStepInputs:
     (built once per step from the packed layout)."""
 
     pad_index: mx.array  # int32 [num_seqs, T]: packed token of each padded position (pads repeat a row's first)
-    mask: mx.array  # bool [num_seqs, T]: real tokens
+    # bool [num_seqs, T]: real tokens; None when every position is real (all
+    # rows scheduled alike, e.g. a decode step): no masking pass at all.
+    mask: mx.array | None
     lengths: mx.array  # int32 [num_seqs]: tokens scheduled per row
-    carried: mx.array  # bool [num_seqs]: the row continues a state (num_computed > 0)
+    # bool [num_seqs]: the row continues a state (num_computed > 0); None when
+    # every row does (a decode step): the gathered states are used as they are.
+    carried: mx.array | None
     unpad_index: mx.array  # int32 [num_tokens]: each packed token's place in the flattened padded batch
 
 
@@ -67,9 +71,11 @@ def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray) -> Line
     pad_index = np.where(mask, cu[:-1, None] + offsets, cu[:-1, None])
     row_of_token = np.repeat(np.arange(len(counts)), counts)
     unpad = row_of_token * width + np.arange(cu[-1]) - cu[row_of_token]
-    return LinearStepInputs(pad_index=mx.array(pad_index.astype(np.int32)), mask=mx.array(mask),
+    carried = np.asarray(positions)[cu[:-1]] > 0
+    return LinearStepInputs(pad_index=mx.array(pad_index.astype(np.int32)),
+                            mask=None if mask.all() else mx.array(mask),
                             lengths=mx.array(counts.astype(np.int32)),
-                            carried=mx.array(np.asarray(positions)[cu[:-1]] > 0),
+                            carried=None if carried.all() else mx.array(carried),
                             unpad_index=mx.array(unpad.astype(np.int32)))
 
 
@@ -85,6 +91,8 @@ class SlotStep:
     def pad(self, t: mx.array) -> mx.array:
         """[1, num_tokens, ...] (packed) -> [num_seqs, T, ...], pads zeroed."""
         t = t[0][self.rows.pad_index]
+        if self.rows.mask is None:
+            return t
         return mx.where(self.rows.mask.reshape(*self.rows.mask.shape, *[1] * (t.ndim - 2)), t, 0)
 
     def unpad(self, t: mx.array) -> mx.array:
@@ -97,6 +105,8 @@ class SlotStep:
     def gather(self, index: int) -> mx.array:
         """The rows' states from pool `index`; zeros for rows starting fresh."""
         pool = self.pool(index)
+        if self.rows.carried is None:
+            return pool[self.slots]
         carried = self.rows.carried.reshape(-1, *[1] * (pool.ndim - 1))
         return mx.where(carried, pool[self.slots], 0)
 
