@@ -125,11 +125,12 @@ def _stored(op: np.ndarray, trans: int, order: int, pad: int) -> tuple[np.ndarra
     return buf, buf.shape[1]
 
 
-@pytest.mark.parametrize("gemv", [True, False], ids=["as_gemv", "sgemm_only"])
+@pytest.mark.parametrize("gemv", [True, False], ids=["fast_paths", "sgemm_only"])
 @pytest.mark.parametrize("order", [ROW_MAJOR, COL_MAJOR], ids=["row", "col"])
 @pytest.mark.parametrize("ta", [NO_TRANS, TRANS], ids=["A", "At"])
 @pytest.mark.parametrize("tb", [NO_TRANS, TRANS], ids=["B", "Bt"])
-@pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29)])
+@pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29), (6, 70, 29),
+                                 (40, 70, 29)])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     m, n, k = mnk
@@ -141,14 +142,15 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     # C with padding; beta == 0 must ignore what C held (NaN here), as BLAS requires.
     c_buf, ldc = _stored(c0 if beta else np.full((m, n), np.nan, np.float32), NO_TRANS, order, pad=4)
     alpha = 1.5
-    previous = fast_blas.set_gemv_max_rows(2 if gemv else 0)
+    previous = fast_blas.set_gemv_max_rows(2 if gemv else 0), fast_blas.set_transpose_max_rows(32 if gemv else 0)
     try:
         before = fast_blas.shim_calls()
         _sgemm()(order, ta, tb, m, n, k, alpha, a_buf.ctypes.data, lda, b_buf.ctypes.data, ldb,
                  beta, c_buf.ctypes.data, ldc)
         after = fast_blas.shim_calls()
     finally:
-        fast_blas.set_gemv_max_rows(previous)
+        fast_blas.set_gemv_max_rows(previous[0])
+        fast_blas.set_transpose_max_rows(previous[1])
     got = c_buf[:, :m].T if order == COL_MAJOR else c_buf[:, :n]
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     ref = alpha * (a64 @ b64) + (beta * c0.astype(np.float64) if beta else 0.0)
@@ -159,5 +161,8 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     # The rule is the row-major one; a column-major C[m,n] is a row-major C^T[n,m].
     rows, cols = (m, n) if order == ROW_MAJOR else (n, m)
     as_gemv = gemv and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
+    # Row-major only: 3..32 rows and >= 64 columns are computed as the transpose.
+    transposed = gemv and not as_gemv and order == ROW_MAJOR and 3 <= rows <= 32 and cols >= 64
     assert after["sgemm_as_sgemv"] - before["sgemm_as_sgemv"] == int(as_gemv)
-    assert after["sgemm"] - before["sgemm"] == int(not as_gemv)
+    assert after["sgemm_transposed"] - before["sgemm_transposed"] == int(transposed)
+    assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed)

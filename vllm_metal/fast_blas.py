@@ -127,6 +127,8 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_calls.restype = ctypes.c_longlong
         lib.vllm_metal_blas_shim_set_gemv_max_rows.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_gemv_max_rows.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_set_transpose_max_rows.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_transpose_max_rows.restype = ctypes.c_int
         err = ctypes.create_string_buffer(512)
         if lib.vllm_metal_blas_shim_init(target.encode(), err, len(err)) != 0:
             return f"{shim}: {err.value.decode(errors='replace')}"
@@ -222,7 +224,7 @@ def shim_calls() -> dict[str, int] | None:
     if _shim is None:
         return None
     return {name: int(_shim.vllm_metal_blas_shim_calls(i))
-            for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm"))}
+            for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm", "sgemm_transposed"))}
 
 
 def set_gemv_max_rows(rows: int) -> int | None:
@@ -231,6 +233,15 @@ def set_gemv_max_rows(rows: int) -> int | None:
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_gemv_max_rows(rows))
+
+
+def set_transpose_max_rows(rows: int) -> int | None:
+    """Compute row-major sgemm with 3..`rows` rows and >= 64 columns as its transpose
+    (0: never; default 32). For benchmarks and tests. Returns the previous setting, or
+    None when the shim is not bound."""
+    if _shim is None:
+        return None
+    return int(_shim.vllm_metal_blas_shim_set_transpose_max_rows(rows))
 
 
 TOO_LATE = "mlx.core was imported before vllm_metal"
