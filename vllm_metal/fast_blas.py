@@ -23,7 +23,9 @@ sgemm), plus some LAPACK routines (linalg only). With VLLM_METAL_BLAS=auto
    x[M,K] @ W^T at batch 1 or 2, is forwarded as one sgemv per row (and a
    one-column sgemm as one sgemv): OpenBLAS's sgemm packs W first and streams
    it at a fraction of memory bandwidth, its sgemv does not (at 4 and more
-   rows, reading W once per row costs more). Loaded first, the shim wins the
+   rows, reading W once per row costs more). A row-major sgemm of 3 to 32 rows
+   and at least 64 columns is computed as its transpose (OpenBLAS runs few
+   rows 2-3x faster as its column dimension). Loaded first, the shim wins the
    binding.
 2. Debian/Ubuntu's libopenblas0-pthread (or any libopenblas the loader
    finds), for everything else MLX imports (LAPACK).
@@ -31,8 +33,8 @@ sgemm), plus some LAPACK routines (linalg only). With VLLM_METAL_BLAS=auto
 Measured on the 2-core AMD EPYC (Zen 4) this was developed on, against
 Debian's OpenBLAS 0.3.21 alone (docs/benchmarks.md, "BLAS shim"): SmolLM2's
 linear layers for one decode step at batch 1 take ~32 ms instead of ~45 (the
-sgemv forwarding; Debian's own sgemv would do as well on this CPU), batch 8
-is unchanged (~57 ms: sgemm at 8 rows either way), a 1024-token prefill
+sgemv forwarding; Debian's own sgemv would do as well on this CPU), a whole
+decode step at batch 8 141 -> 118 ms with the transposed path, a 1024-token prefill
 ~150 GFLOP/s instead of ~140 (both libraries run AVX-512 kernels here; on
 CPUs newer than OpenBLAS 0.3.21 knows, numpy's 0.3.30 picks better ones).
 Either part may be missing: without the shim (not built, or numpy without
@@ -199,7 +201,7 @@ def preload() -> tuple[str | None, str]:
                 "LAPACK from MLX's bundled reference LAPACK (no system OpenBLAS found)")
         status = (libraries["gemm"],
                   f"cblas_sgemm/dgemm/cgemm through vllm-metal's shim ({libraries['shim']}) to numpy's "
-                  f"{_gemm_info}, 1-2-row products as sgemv; {rest}; loaded with RTLD_GLOBAL before mlx.core")
+                  f"{_gemm_info}, 1-2-row products as sgemv, 3-32-row ones transposed; {rest}; loaded with RTLD_GLOBAL before mlx.core")
     elif system:
         status = (system, "loaded with RTLD_GLOBAL before mlx.core"
                   + (f" (BLAS shim not used: {why_no_shim})" if why_no_shim else ""))

@@ -212,6 +212,13 @@ class MetalPlatform(Platform):
                              "not checkpointed per block. Turn it off: --no-enable-prefix-caching "
                              "(LLM(..., enable_prefix_caching=False)).")
         model = vllm_config.model_config
+        if hybrid and (cache.mamba_cache_dtype != "auto" or cache.mamba_ssm_cache_dtype != "auto"):
+            # The runner keeps mlx-lm's state dtypes (convolution: the model
+            # dtype; recurrent: float32); another dtype would be ignored.
+            raise ValueError(f"vllm-metal keeps linear-attention states in mlx-lm's dtypes (the model dtype for "
+                             f"the convolution, float32 for the recurrent state): leave --mamba-cache-dtype and "
+                             f"--mamba-ssm-cache-dtype at auto (got {cache.mamba_cache_dtype!r}, "
+                             f"{cache.mamba_ssm_cache_dtype!r}).")
         if hybrid and cache.mamba_block_size is not None and cache.mamba_block_size < model.max_model_len:
             # One state block must cover a whole request (vLLM's default for mode "none").
             raise ValueError(f"vllm-metal keeps one linear-attention state slot per request: leave "

@@ -93,6 +93,9 @@ def test_prefix_caching_is_refused_for_hybrids_only(hybrid_dir, model_dir):
     with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
         EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512,
                    enable_prefix_caching=True).create_engine_config()
+    with pytest.raises(ValueError, match="--mamba-ssm-cache-dtype at auto"):
+        EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False,
+                   mamba_ssm_cache_dtype="float16").create_engine_config()
     with pytest.raises(ValueError, match="--mamba-block-size"):
         EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False,
                    mamba_block_size=64).create_engine_config()
