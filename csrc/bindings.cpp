@@ -1,12 +1,14 @@
-// nanobind module vllm_metal._ext: exposes the paged-attention op and build
+// nanobind module vllm_metal._ext: exposes the paged-attention and gated-delta ops and build
 // facts. Lives in nanobind domain "mlx" so mx.array / mx.Stream cross over.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
+#include "gated_delta.h"
 #include "paged_attention.h"
 
 namespace nb = nanobind;
@@ -33,6 +35,20 @@ NB_MODULE(_ext, m) {
       "v_head_dim"_a = nb::none(),
       "stream"_a = nb::none(),
       "Lazy paged attention over packed varlen queries (see vllm_metal.ops).");
+
+  m.def(
+      "gated_delta",
+      &vllm_metal::gated_delta,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a = nb::none(),
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy gated delta rule recurrence -> [y, state] (see vllm_metal.ops).");
 
   m.def(
       "is_materialized",

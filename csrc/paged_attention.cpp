@@ -8,6 +8,8 @@
 
 #include "mlx/ops.h"
 
+#include "op_util.h"
+
 namespace vllm_metal {
 
 bool is_supported_head_dim(int head_dim) {
@@ -27,16 +29,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) {
   throw std::invalid_argument("[paged_attention] " + msg);
-}
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < a.ndim(); ++i) {
-    os << (i ? ", " : "") << a.shape(i);
-  }
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
 }
 
 void check_rank(const mx::array& a, const char* name, int rank, const char* layout) {

@@ -24,6 +24,8 @@
 #include "mlx/backend/metal/device.h"
 #include "mlx/backend/metal/utils.h"
 
+#include "op_util.h"
+
 #include "paged_attention.h"
 #include "paged_attention_metal_source.h"  // generated: kPagedAttentionMetalSource
 #include "paged_attention_plan.h"
@@ -34,19 +36,6 @@ namespace {
 
 // MLX caches compiled libraries by name for the life of the process.
 constexpr const char* kLibraryName = "vllm_metal_paged_attention";
-
-const char* dtype_name(mx::Dtype dtype) {
-  switch (dtype) {
-    case mx::float32:
-      return "float32";
-    case mx::float16:
-      return "float16";
-    case mx::bfloat16:
-      return "bfloat16";
-    default:
-      throw std::invalid_argument("[paged_attention] unsupported dtype for Metal");
-  }
-}
 
 PagedAttentionArgs make_args(const std::vector<mx::array>& inputs,
                              const PagedAttentionParams& params) {
@@ -98,7 +87,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
   const mx::Stream& s = stream();
   auto& device = mx::metal::device(s.device);
   const PagedAttentionPlan plan =
-      plan_paged_attention(make_args(inputs, params_), dtype_name(out.dtype()), out.nbytes());
+      plan_paged_attention(make_args(inputs, params_), kernel_dtype_name(out.dtype(), "paged_attention"), out.nbytes());
 
   // The output's buffer also holds the partition scratch (if any) after
   // plan.partials_offset: scratch that lives and dies with the output.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # macOS compile check, runnable on Linux: syntax-checks the Metal-only C++
-# (csrc/paged_attention_metal.cpp: eval_gpu and the Metal library loading)
+# (csrc/paged_attention_metal.cpp and csrc/gated_delta_metal.cpp: eval_gpu and
+# the Metal library loading)
 # against the real MLX 0.32.4 macOS headers and metal-cpp, taken from PyPI's
 # mlx-metal==0.32.4 macOS wheel, with stubs for the Apple system headers
 # (tests/metal/apple_stubs). A misspelt or mistyped MLX/Metal API call fails it.
@@ -10,7 +11,8 @@
 #
 #   scripts/check_metal_compile.sh [source.cpp ...]
 #
-# Default source: csrc/paged_attention_metal.cpp. Environment: PYTHON (with
+# Default sources: csrc/paged_attention_metal.cpp, csrc/gated_delta_metal.cpp.
+# Environment: PYTHON (with
 # pip; default python3), CMAKE (default cmake), CXX (a clang++, needed for
 # Objective-C block types in metal-cpp; default clang++-19 or clang++).
 # Exit status: 0 compiles, 1 does not compile, 2 the wheel could not be
@@ -24,7 +26,7 @@ CMAKE=${CMAKE:-cmake}
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/vllm-metal/mlx-metal-${MLX_VERSION}-macos"
 SOURCES=("$@")
 if [ ${#SOURCES[@]} -eq 0 ]; then
-  SOURCES=("$ROOT/csrc/paged_attention_metal.cpp")
+  SOURCES=("$ROOT/csrc/paged_attention_metal.cpp" "$ROOT/csrc/gated_delta_metal.cpp")
 fi
 
 if [ -z "${CXX:-}" ]; then
@@ -60,12 +62,15 @@ EOF
 fi
 INCLUDE="$CACHE/mlx/include"
 
-# 2. The embedded kernel source header, exactly as the build generates it.
+# 2. The embedded kernel source headers, exactly as the build generates them.
 generated=$(mktemp -d)
 trap 'rm -rf "$generated" "${download:-}"' EXIT
 "$CMAKE" "-DINPUT=$ROOT/metal/paged_attention.metal" \
   "-DOUTPUT=$generated/paged_attention_metal_source.h" \
   -DVARIABLE=kPagedAttentionMetalSource -P "$ROOT/cmake/embed_metal_source.cmake"
+"$CMAKE" "-DINPUT=$ROOT/metal/gated_delta.metal" \
+  "-DOUTPUT=$generated/gated_delta_metal_source.h" \
+  -DVARIABLE=kGatedDeltaMetalSource -P "$ROOT/cmake/embed_metal_source.cmake"
 
 # 3. Syntax-only, with the flags MLX's CMake package gives Metal builds.
 status=0

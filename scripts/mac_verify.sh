@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Verification on a Mac (Apple Silicon), in one command: builds vllm-metal with
 # Metal, runs the Metal kernel tests and the whole test suite on the GPU,
-# times the paged-attention kernels, runs the sonnet benchmark if the repo has
-# one, and prints one report to paste into an issue.
+# times the paged-attention and gated-delta kernels, runs the sonnet benchmark
+# if the repo has one, and prints one report to paste into an issue.
 #
 #   scripts/mac_verify.sh
 #
@@ -118,6 +118,49 @@ for name, shape in [("decode: 1 seq x 4096 ctx", (1, 4096, 1)),
     except Exception as e:  # the reference gathers whole contexts: may not fit
         ref = f"{type(e).__name__:>13}"
     print(f"{name:46} {metal:9.2f} {ref}")
+EOF
+
+step "gated-delta kernel timings (our Metal kernel vs mlx-lm's)" gated_delta.log \
+  "$PYTHON" - <<'EOF'
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.gated_delta import gated_delta_kernel
+
+from vllm_metal import ops
+
+def inputs(b, t, hk=16, hv=32, dk=128, dv=128, dtype=mx.bfloat16):
+    rng = np.random.default_rng(0)
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = mx.array(unit((b, t, hk, dk)) * dk ** -0.5, dtype=dtype)
+    k = mx.array(unit((b, t, hk, dk)), dtype=dtype)
+    v = mx.array(rng.standard_normal((b, t, hv, dv)), dtype=dtype)
+    g = mx.array(np.exp(-rng.uniform(0.01, 0.5, (b, t, hv))), dtype=mx.float32)
+    beta = mx.array(rng.uniform(0.05, 0.95, (b, t, hv)), dtype=mx.float32)
+    state = mx.array(0.3 * rng.standard_normal((b, hv, dv, dk)), dtype=mx.float32)
+    return q, k, v, g, beta, state
+
+def timed(fn, args, repeat=20):
+    out = fn(*args)
+    mx.eval(out)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        mx.eval(fn(*args))
+    return (time.perf_counter() - start) / repeat * 1e3, out
+
+ours = lambda *a: ops.gated_delta(*a, stream=mx.gpu)  # noqa: E731
+print(f"{'batch (bfloat16, 16 k / 32 v heads, 128 x 128)':48} {'metal ms':>9} {'mlx-lm ms':>10} {'max |dy|':>9}")
+for name, shape in [("decode: 1 seq", (1, 1)), ("decode: 64 seqs", (64, 1)),
+                    ("prefill: 1 seq x 1024 tokens", (1, 1024)),
+                    ("prefill: 4 seqs x 512 tokens", (4, 512))]:
+    args = inputs(*shape)
+    metal, (y, _) = timed(ours, args)
+    ref, (y_ref, _) = timed(gated_delta_kernel, args)
+    diff = mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item()
+    print(f"{name:48} {metal:9.2f} {ref:10.2f} {diff:9.2g}")
 EOF
 
 if [ -f benchmarks/sonnet_bench.py ]; then

@@ -119,3 +119,50 @@ def batch_lengths(rng, kind: str, block_size: int):
             new.append(n)
             ctx.append(n + int(rng.integers(1, 4 * block_size)))
     return new, ctx
+
+
+def gated_delta_f64(q, k, v, g, beta, state, mask=None):
+    """The gated delta rule recurrence in float64, straight from its
+    definition (csrc/gated_delta.h): q, k [B, T, Hk, Dk], v [B, T, Hv, Dv],
+    g, beta [B, T, Hv], state [B, Hv, Dv, Dk], mask [B, T] bool or None.
+    Returns (y [B, T, Hv, Dv], final state [B, Hv, Dv, Dk]); masked steps give
+    y = 0 and leave the state as it is."""
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    S = np.array(state, np.float64)
+    B, T, Hk, _ = q.shape
+    Hv, Dv = v.shape[2:]
+    y = np.zeros((B, T, Hv, Dv))
+    for b in range(B):
+        for h in range(Hv):
+            hk = h // (Hv // Hk)
+            for t in range(T):
+                if mask is not None and not mask[b, t]:
+                    continue
+                S[b, h] *= g[b, t, h]
+                kv = S[b, h] @ k[b, t, hk]
+                delta = (v[b, t, h] - kv) * beta[b, t, h]
+                S[b, h] += np.outer(delta, k[b, t, hk])
+                y[b, t, h] = S[b, h] @ q[b, t, hk]
+    return y, S
+
+
+def gated_delta_inputs(rng, *, batch, steps, k_heads, v_heads, key_dim, value_dim, masked=False):
+    """Random inputs shaped as a Gated DeltaNet layer makes them: q, k
+    L2-normalised (q also scaled by key_dim ** -0.5), g in (0, 1), beta in
+    (0, 1), a random state; a right-padding mask (each row a random length
+    >= 1) when `masked`. All float32 numpy arrays (mask bool)."""
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit((batch, steps, k_heads, key_dim)) * key_dim ** -0.5
+    k = unit((batch, steps, k_heads, key_dim))
+    v = rng.standard_normal((batch, steps, v_heads, value_dim))
+    g = np.exp(-rng.uniform(0.01, 0.5, (batch, steps, v_heads)))
+    beta = rng.uniform(0.05, 0.95, (batch, steps, v_heads))
+    state = 0.3 * rng.standard_normal((batch, v_heads, value_dim, key_dim))
+    mask = None
+    if masked:
+        lengths = rng.integers(1, steps + 1, batch)
+        mask = np.arange(steps)[None, :] < lengths[:, None]
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    return f32(q), f32(k), f32(v), f32(g), f32(beta), f32(state), mask

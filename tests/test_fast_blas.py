@@ -47,13 +47,16 @@ def test_shim_is_bound():
     assert "shim" in fast_blas.status[1] and fast_blas.SHIM_NAME in fast_blas.summary()
     maps = open("/proc/self/maps").read()
     assert shim in maps and fast_blas.libraries["gemm"] in maps
-    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows as sgemm.
+    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows times
+    # a weight through the few-row kernel (where the CPU has it), 40 as sgemm.
     before = fast_blas.shim_calls()
     w = mx.ones((32, 16))
-    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T)
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T)
     after = fast_blas.shim_calls()
     assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1
-    assert after["sgemm"] == before["sgemm"] + 1
+    few = int(fast_blas.few_rows_supported())
+    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + few
+    assert after["sgemm"] == before["sgemm"] + 2 - few
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 300])
@@ -130,7 +133,7 @@ def _stored(op: np.ndarray, trans: int, order: int, pad: int) -> tuple[np.ndarra
 @pytest.mark.parametrize("ta", [NO_TRANS, TRANS], ids=["A", "At"])
 @pytest.mark.parametrize("tb", [NO_TRANS, TRANS], ids=["B", "Bt"])
 @pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29), (6, 70, 29),
-                                 (40, 70, 29)])
+                                 (40, 70, 29), (4, 9, 16), (7, 301, 43), (8, 64, 7)])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     m, n, k = mnk
@@ -142,7 +145,8 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     # C with padding; beta == 0 must ignore what C held (NaN here), as BLAS requires.
     c_buf, ldc = _stored(c0 if beta else np.full((m, n), np.nan, np.float32), NO_TRANS, order, pad=4)
     alpha = 1.5
-    previous = fast_blas.set_gemv_max_rows(2 if gemv else 0), fast_blas.set_transpose_max_rows(32 if gemv else 0)
+    previous = (fast_blas.set_gemv_max_rows(2 if gemv else 0), fast_blas.set_transpose_max_rows(32 if gemv else 0),
+                fast_blas.set_few_rows_max(8 if gemv else 0))
     try:
         before = fast_blas.shim_calls()
         _sgemm()(order, ta, tb, m, n, k, alpha, a_buf.ctypes.data, lda, b_buf.ctypes.data, ldb,
@@ -151,6 +155,7 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     finally:
         fast_blas.set_gemv_max_rows(previous[0])
         fast_blas.set_transpose_max_rows(previous[1])
+        fast_blas.set_few_rows_max(previous[2])
     got = c_buf[:, :m].T if order == COL_MAJOR else c_buf[:, :n]
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     ref = alpha * (a64 @ b64) + (beta * c0.astype(np.float64) if beta else 0.0)
@@ -161,8 +166,13 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     # The rule is the row-major one; a column-major C[m,n] is a row-major C^T[n,m].
     rows, cols = (m, n) if order == ROW_MAJOR else (n, m)
     as_gemv = gemv and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
+    # x[M,K] @ W[N,K]^T in the row-major view, 3..8 rows, K >= 8: the few-row kernel (AVX2 CPUs).
+    row_ta, row_tb = (ta, tb) if order == ROW_MAJOR else (tb, ta)
+    few = (gemv and not as_gemv and fast_blas.few_rows_supported() and row_ta == NO_TRANS and row_tb == TRANS
+           and 3 <= rows <= 8 and cols >= 2 and k >= 8)
     # Row-major only: 3..32 rows and >= 64 columns are computed as the transpose.
-    transposed = gemv and not as_gemv and order == ROW_MAJOR and 3 <= rows <= 32 and cols >= 64
+    transposed = gemv and not as_gemv and not few and order == ROW_MAJOR and 3 <= rows <= 32 and cols >= 64
     assert after["sgemm_as_sgemv"] - before["sgemm_as_sgemv"] == int(as_gemv)
+    assert after["sgemm_few_rows"] - before["sgemm_few_rows"] == int(few)
     assert after["sgemm_transposed"] - before["sgemm_transposed"] == int(transposed)
-    assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed)
+    assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed and not few)

@@ -105,6 +105,7 @@ def capabilities() -> dict:
         report["attention_path"] = {"name": name, "reason": reason}
         report["kv_cache"] = _kv_budget(device)
         report["hybrid_state_writeback"] = _state_writeback(problems)
+        report["gated_delta_path"] = _gated_delta_path(mx.gpu if device == "gpu" and metal else mx.cpu, problems)
     if not active:
         problems.append(f"vLLM would not select this plugin: {why_active}")
     report["cuda_paths"] = _cuda_paths()
@@ -125,6 +126,18 @@ def _state_writeback(problems: list[str]) -> dict:
     return {"mode": mode, "reason": {
         "inplace": "each step scatters its rows' new states into the state pools, donated by MLX (no copy)",
         "copy": "VLLM_METAL_STATE_WRITEBACK=copy: every step copies each state pool (ablation)"}[mode]}
+
+
+def _gated_delta_path(stream, problems: list[str]) -> dict:
+    """Which recurrence Gated DeltaNet layers (qwen3_next, qwen3_5) run."""
+    from vllm_metal import ops
+
+    try:
+        name, reason = ops.gated_delta_path(stream)
+    except ValueError as e:
+        problems.append(str(e))
+        return {"name": None, "reason": str(e)}
+    return {"name": name, "reason": reason}
 
 
 def _kv_budget(device: str) -> dict:

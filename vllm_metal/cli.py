@@ -35,6 +35,8 @@ def format_report(r: dict) -> str:
     if r.get("hybrid_state_writeback", {}).get("mode"):
         lines.append(f"hybrid      state write-back {r['hybrid_state_writeback']['mode']}: "
                      f"{r['hybrid_state_writeback']['reason']}")
+    if r.get("gated_delta_path", {}).get("name"):
+        lines.append(f"hybrid      gated delta {r['gated_delta_path']['name']}: {r['gated_delta_path']['reason']}")
     lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
     lines.append("cuda paths  (inert: turned off with a warning; refused: asking for it is an error)")
     for p in r["cuda_paths"]:

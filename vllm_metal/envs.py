@@ -45,9 +45,18 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "each pool first and writes into the copy (the cost of a write-back without donation; "
         "for ablation and diagnosis). Both give identical results.",
     ),
+    "VLLM_METAL_GATED_DELTA": (
+        "auto",
+        "Gated DeltaNet recurrence of hybrid models (qwen3_next, qwen3_5): 'auto' runs "
+        "vllm-metal's fused gated-delta primitive on MLX's CPU device and mlx-lm's own Metal "
+        "kernel on the GPU; 'fused' always the primitive (its Metal kernel on the GPU); "
+        "'mlx-lm' always mlx-lm's gated_delta_update (its per-token ops on the CPU). "
+        "All give the same tokens (tested); for ablation and diagnosis.",
+    ),
     "VLLM_METAL_CPU_THREADS": (
         None,
-        "Threads used by the CPU paged-attention kernel (default: all cores).",
+        "Threads used by the CPU paged-attention and gated-delta kernels and by the BLAS shim's "
+        "few-row kernel (default: all cores).",
     ),
     "VLLM_METAL_KV_DISK": (
         None,

@@ -47,6 +47,11 @@ shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
 `status` says what happened (`vllm-metal doctor` prints `summary()`). macOS
 uses Accelerate/Metal and needs none of this.
 
+Few-row products (3 to 8 rows times a weight: a batch of decode rows) run
+the shim's own AVX2 kernel, which reads the weight once at close to memory
+bandwidth, on its own small thread pool (VLLM_METAL_CPU_THREADS, or the
+usable cores), where OpenBLAS packs the weight first (csrc/blas_shim.c).
+
 Threads: numpy's OpenBLAS sizes its pool to the cores (OPENBLAS_NUM_THREADS
 overrides it, for both libraries; the system one only serves LAPACK now, so
 its pool stays idle). MLX calls BLAS from its one CPU stream thread, and the
@@ -131,6 +136,13 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_set_gemv_max_rows.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_transpose_max_rows.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_transpose_max_rows.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_set_few_rows_max.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_few_rows_max.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_few_rows_supported.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_set_threads.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_threads.restype = ctypes.c_int
+        threads = os.environ.get("VLLM_METAL_CPU_THREADS", "").strip()
+        lib.vllm_metal_blas_shim_set_threads(int(threads) if threads.isdigit() else 0)
         err = ctypes.create_string_buffer(512)
         if lib.vllm_metal_blas_shim_init(target.encode(), err, len(err)) != 0:
             return f"{shim}: {err.value.decode(errors='replace')}"
@@ -226,7 +238,8 @@ def shim_calls() -> dict[str, int] | None:
     if _shim is None:
         return None
     return {name: int(_shim.vllm_metal_blas_shim_calls(i))
-            for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm", "sgemm_transposed"))}
+            for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm", "sgemm_transposed",
+                                      "sgemm_few_rows"))}
 
 
 def set_gemv_max_rows(rows: int) -> int | None:
@@ -244,6 +257,20 @@ def set_transpose_max_rows(rows: int) -> int | None:
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_transpose_max_rows(rows))
+
+
+def set_few_rows_max(rows: int) -> int | None:
+    """Run row-major x[M,K] @ W[N,K]^T with 3..`rows` rows through the shim's own
+    few-row kernel where the CPU has AVX2 and FMA (0: never; default 8). For
+    benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
+    if _shim is None:
+        return None
+    return int(_shim.vllm_metal_blas_shim_set_few_rows_max(rows))
+
+
+def few_rows_supported() -> bool:
+    """Whether this CPU runs the shim's few-row kernel (AVX2 and FMA)."""
+    return _shim is not None and bool(_shim.vllm_metal_blas_shim_few_rows_supported())
 
 
 TOO_LATE = "mlx.core was imported before vllm_metal"

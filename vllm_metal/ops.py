@@ -5,6 +5,8 @@
                               cu_seqlens_q, scale=..., sliding_window=None, softcap=None,
                               sinks=None, v_head_dim=None)
     key_cache, value_cache = ops.write_kv(key_cache, value_cache, k, v, slot_mapping)
+    y, state = ops.gated_delta(q, k, v, g, beta, state, mask=None)
+
 
 Both build graph nodes and return at once; nothing is computed until the
 caller evaluates (e.g. one `mx.eval` per engine step). `paged_attention` runs
@@ -38,7 +40,8 @@ _ext = load_extension()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path"]
+__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path",
+           "gated_delta", "gated_delta_path"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
 
@@ -321,3 +324,54 @@ def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
             raise ValueError(f"slot_mapping[{i}] = {int(host[i])} is outside [-1, {num_slots}) "
                              f"(num_blocks x block_size slots; -1 means no write)")
     return slots, host
+
+
+GATED_DELTA_PATHS = ("auto", "fused", "mlx-lm")
+GATED_DELTA_KEY_DIMS = (32, 64, 128, 256)  # what the primitive supports (csrc/gated_delta.h)
+GATED_DELTA_MAX_VALUE_DIM = 256
+
+
+def gated_delta_path(stream=None) -> tuple[str, str]:
+    """Which implementation Gated DeltaNet layers use on `stream`: (name,
+    reason); name is "fused" (this package's primitive) or "mlx-lm" (mlx-lm's
+    gated_delta_update). VLLM_METAL_GATED_DELTA picks; a bad value raises."""
+    mode = (envs.get("VLLM_METAL_GATED_DELTA") or "auto").strip().lower()
+    if mode not in GATED_DELTA_PATHS:
+        raise ValueError(f"VLLM_METAL_GATED_DELTA={mode!r}: expected one of {', '.join(GATED_DELTA_PATHS)}")
+    device = _device_of(stream)
+    if mode == "mlx-lm":
+        return "mlx-lm", "VLLM_METAL_GATED_DELTA=mlx-lm"
+    if device.type == mx.DeviceType.cpu:
+        return "fused", "native C++ primitive on MLX's CPU device"
+    if mode == "fused":
+        if _ext.HAS_METAL:
+            return "fused", "VLLM_METAL_GATED_DELTA=fused: the primitive's Metal kernel"
+        return "mlx-lm", "this build has no Metal kernels; mlx-lm's gated_delta_update instead"
+    return "mlx-lm", "mlx-lm's own Metal kernel on MLX's GPU device"
+
+
+def gated_delta(q, k, v, g, beta, state, mask=None, *, stream=None) -> tuple[mx.array, mx.array]:
+    """Lazy gated delta rule recurrence over a right-padded batch (the math of
+    mlx-lm's gated_delta_update once g and beta are computed; see
+    csrc/gated_delta.h): returns (y [B, T, Hv, Dv] in q's dtype, final state
+    [B, Hv, Dv, Dk] float32).
+
+        q, k   [B, T, Hk, Dk]    Dk one of 32, 64, 128, 256
+        v      [B, T, Hv, Dv]    Hv a multiple of Hk, 1 <= Dv <= 256
+        g      [B, T, Hv]        decay per step (scalar gating)
+        beta   [B, T, Hv]
+        state  [B, Hv, Dv, Dk]   float32
+        mask   bool [B, T] or None: steps where it is False give y = 0 and leave the state
+
+    Runs the native primitive on the CPU and, where this build has Metal, on
+    the GPU. Shape or dtype mistakes raise ValueError naming the argument.
+    """
+    for name, value in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+        _check_array(value, name)
+    if mask is not None:
+        _check_array(mask, "mask")
+    if _device_of(stream).type != mx.DeviceType.cpu and not _ext.HAS_METAL:
+        raise ValueError("gated_delta: this build has no Metal kernels; use the CPU stream "
+                         "(or mlx-lm's gated_delta_update)")
+    y, new_state = _ext.gated_delta(q, k, v, g, beta, state, mask, stream=stream)
+    return y, new_state

@@ -13,8 +13,12 @@ the C++ compiler, both here:
 * Glue: for every `[[host_name]]` instantiation, a thunk that passes
   `[[buffer(n)]]` slots and thread-position attributes to the kernel, found by
   parsing the preprocessed kernel signature. It is registered under its host
-  name, which is how the driver (msl/paged_attention_driver.cpp, the stand-in
-  for eval_gpu) finds kernels, as eval_gpu does through MLX.
+  name, which is how the drivers (msl/paged_attention_driver.cpp and
+  msl/gated_delta_driver.cpp, the stand-ins for eval_gpu) find kernels, as
+  eval_gpu does through MLX.
+
+Each kernel library of metal/ (KERNEL_SOURCES) is its own translation unit,
+as it is its own Metal library in the extension.
 
 Builds are cached under the system temp dir, keyed by every input's content.
 """
@@ -76,12 +80,21 @@ def find_cmake() -> str:
     raise ExecutorUnavailable("the MSL executor needs cmake (pip install cmake)")
 
 
-def embedded_metal_source(out_dir: Path) -> str:
-    """The Metal source exactly as the build embeds it into the extension."""
-    header = out_dir / "paged_attention_metal_source.h"
+# Kernel libraries (as cmake/metal_kernels.cmake embeds them): name ->
+# (source in metal/, variable of the generated header).
+KERNEL_SOURCES = {
+    "paged_attention": ("paged_attention.metal", "kPagedAttentionMetalSource"),
+    "gated_delta": ("gated_delta.metal", "kGatedDeltaMetalSource"),
+}
+
+
+def embedded_metal_source(out_dir: Path, library: str = "paged_attention") -> str:
+    """The Metal source of `library` exactly as the build embeds it into the extension."""
+    source, variable = KERNEL_SOURCES[library]
+    header = out_dir / f"{library}_metal_source.h"
     subprocess.run(
-        [find_cmake(), f"-DINPUT={METAL / 'paged_attention.metal'}", f"-DOUTPUT={header}",
-         "-DVARIABLE=kPagedAttentionMetalSource", "-P", str(EMBED_SCRIPT)],
+        [find_cmake(), f"-DINPUT={METAL / source}", f"-DOUTPUT={header}",
+         f"-DVARIABLE={variable}", "-P", str(EMBED_SCRIPT)],
         check=True, capture_output=True, text=True)
     literals = re.findall(r'R"vllm_msl\((.*?)\)vllm_msl"', header.read_text(), flags=re.S)
     if len(literals) != 1:
@@ -240,9 +253,10 @@ def build(cache_root: Path | None = None) -> Path:
     """Builds (or finds cached) the executor library; returns its path."""
     cxx = find_compiler()
     with tempfile.TemporaryDirectory() as scratch:
-        metal_source = embedded_metal_source(Path(scratch))
+        metal_sources = {name: embedded_metal_source(Path(scratch), name)
+                         for name in KERNEL_SOURCES}
     support = sorted(p for p in list(MSL.rglob("*")) + list(METAL.glob("*.h")) if p.is_file())
-    texts = [metal_source, SELFTEST_SOURCE.read_text(), Path(__file__).read_text()]
+    texts = [*metal_sources.values(), SELFTEST_SOURCE.read_text(), Path(__file__).read_text()]
     texts += [f"{p.name}\n{p.read_text()}" for p in support]
     root = cache_root or Path(tempfile.gettempdir()) / "vllm_metal_msl_executor"
     lib = root / _fingerprint(cxx, texts) / "libmsl_executor.so"
@@ -252,13 +266,15 @@ def build(cache_root: Path | None = None) -> Path:
     work = Path(tempfile.mkdtemp(dir=root))
     try:
         units = [
-            kernel_translation_unit(cxx, metal_source, work, "kernels_paged_attention",
-                                    "paged_attention.metal"),
+            *(kernel_translation_unit(cxx, text, work, f"kernels_{name}",
+                                      KERNEL_SOURCES[name][0])
+              for name, text in metal_sources.items()),
             kernel_translation_unit(cxx, SELFTEST_SOURCE.read_text(), work, "kernels_selftest",
                                     SELFTEST_SOURCE.name),
             MSL / "msl_runtime.cpp",
             MSL / "msl_host_api.cpp",
             MSL / "paged_attention_driver.cpp",
+            MSL / "gated_delta_driver.cpp",
         ]
         jobs = [(u, work / f"{u.stem}.o") for u in units]
         procs = [subprocess.Popen([cxx, *CXX_FLAGS, *include_flags(), "-c", str(u), "-o", str(o)],

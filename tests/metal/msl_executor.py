@@ -3,9 +3,11 @@
 `Executor(build())` loads the library msl_build.py produces. `launch` runs one
 kernel by host name over numpy buffers (the shim self-tests);
 `paged_attention` runs msl/paged_attention_driver.cpp, the stand-in for
-eval_gpu: same plan, buffer slots, allocation and dispatch order. Inputs and
-output sit in guarded memory (an out-of-bounds read faults) and the output
-starts as NaN (an unwritten element shows).
+eval_gpu: same plan, buffer slots, allocation and dispatch order;
+`gated_delta` runs msl/gated_delta_driver.cpp, the stand-in for
+GatedDelta::eval_gpu. Inputs and outputs sit in guarded memory (an
+out-of-bounds read faults) and outputs start as NaN (an unwritten element
+shows).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class Executor:
         self.lib.msl_kernel_names.restype = c.c_uint64
         self.lib.vm_kernel_name.argtypes = [c.c_char_p, c.c_char_p, c.c_int, c.c_int,
                                             c.c_char_p, c.c_uint64]
+        self.lib.vm_gated_delta.argtypes = [
+            c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_void_p), c.c_int, c.c_int,
+            c.c_uint64, c.c_int, c.c_void_p, c.c_void_p, c.POINTER(c.c_int64), c.c_char_p,
+            c.c_uint64]
+        self.lib.vm_gated_delta_kernel_name.argtypes = [c.c_char_p, c.c_int, c.c_char_p,
+                                                        c.c_uint64]
         self.workers = max(1, min(os.cpu_count() or 1, 4))
 
     def kernel_names(self) -> set[str]:
@@ -141,6 +149,52 @@ class Executor:
             raise KernelFault(err.value.decode())
         result = bf16_bits_to_float(out) if dtype == "bfloat16" else out.astype(np.float32)
         return result, {"prefill_dispatched": bool(info[0]), "partitions": int(info[1])}
+
+    def gated_delta_kernel_name(self, dtype: str, key_dim: int) -> str:
+        """The name GatedDelta::eval_gpu looks up (vllm_metal::gated_delta_kernel_name)."""
+        buf = ctypes.create_string_buffer(256)
+        self.lib.vm_gated_delta_kernel_name(dtype.encode(), key_dim, buf, len(buf))
+        return buf.value.decode()
+
+    def gated_delta(self, dtype: str, q, k, v, g, beta, state, mask=None, *,
+                    in_place: bool = False, seed: int = 0, at_start: bool = False,
+                    raw: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Runs the gated-delta kernel as GatedDelta::eval_gpu would; returns
+        (y as float32, final state float32, plan info).
+
+        q, k, v in the storage dtype of `dtype` (bfloat16 as uint16 bit
+        patterns), g, beta, state float32, mask bool or None; all made
+        row-contiguous here, as the op does. `in_place`: the final state is
+        written over the state input's buffer (a donated state). `raw`: y
+        comes back in its storage dtype, bit for bit. Elements the kernel
+        does not write come out NaN.
+        """
+        c = ctypes
+        storage, itemsize = DTYPES[dtype]
+        arrays = [np.ascontiguousarray(a) for a in (q, k, v, g, beta, state)]
+        for a, want in zip(arrays, [storage] * 3 + [np.float32] * 3):
+            if a.dtype != want:
+                raise TypeError(f"expected {np.dtype(want)}, got {a.dtype}")
+        if mask is not None:
+            mask = np.ascontiguousarray(mask, dtype=np.bool_)
+            arrays.append(mask)
+        B, T, Hk, Dk = arrays[0].shape
+        Hv, Dv = arrays[2].shape[2:]
+        y = np.empty((B, T, Hv, Dv), dtype=storage)
+        state_out = np.empty((B, Hv, Dv, Dk), dtype=np.float32)
+        ptrs = [a.ctypes.data for a in arrays] + ([None] if mask is None else [])
+        info = (c.c_int64 * 5)()
+        err = c.create_string_buffer(4096)
+        rc = self.lib.vm_gated_delta(
+            dtype.encode(), itemsize, (c.c_int64 * 6)(B, T, Hk, Hv, Dk, Dv),
+            (c.c_void_p * 7)(*ptrs), int(in_place), int(at_start), seed, self.workers,
+            y.ctypes.data, state_out.ctypes.data, info, err, len(err))
+        if rc != 0:
+            raise KernelFault(err.value.decode())
+        if not raw:
+            y = bf16_bits_to_float(y) if dtype == "bfloat16" else y.astype(np.float32)
+        plan = {"grid": tuple(info[:3]), "threads": int(info[3]), "dispatched": bool(info[4])}
+        return y, state_out, plan
 
 
 def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""The macOS compile check: csrc/paged_attention_metal.cpp compiles against the
-real MLX 0.32.4 macOS headers and metal-cpp (scripts/check_metal_compile.sh),
-and the check is shown to catch a misspelt MLX or Metal API call."""
+"""The macOS compile check: csrc/paged_attention_metal.cpp and
+csrc/gated_delta_metal.cpp compile against the real MLX 0.32.4 macOS headers
+and metal-cpp (scripts/check_metal_compile.sh), and the check is shown to
+catch a misspelt MLX or Metal API call."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from metal_tools import tool_missing
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_metal_compile.sh"
 SOURCE = REPO / "csrc" / "paged_attention_metal.cpp"
+GATED_DELTA_SOURCE = REPO / "csrc" / "gated_delta_metal.cpp"
 
 # (correct text in the source, misspelt replacement): MLX device, encoder and
 # allocator calls, and a metal-cpp method.
@@ -29,6 +31,12 @@ MISSPELLINGS = [
     ("mx::metal::get_command_encoder(s)", "mx::metal::command_encoder(s)"),
     ("mx::allocator::malloc(plan.total_bytes)", "mx::allocator::malloc_buffer(plan.total_bytes)"),
     ("pipeline->threadExecutionWidth()", "pipeline->threadExecutionWidht()"),
+]
+# The same for the gated-delta eval_gpu: the state donation and argument calls.
+GATED_DELTA_MISSPELLINGS = [
+    ("state_in.is_donatable()", "state_in.is_donateable()"),
+    ("state_out.copy_shared_buffer(state_in)", "state_out.copy_shared_buffers(state_in)"),
+    ("encoder.set_bytes(plan.args, kGdArgsBuffer)", "encoder.set_byte(plan.args, kGdArgsBuffer)"),
 ]
 
 
@@ -55,21 +63,24 @@ def run_check(*sources: Path) -> subprocess.CompletedProcess:
 def test_metal_code_compiles_against_mlx_macos_headers():
     result = run_check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout
+    for source in (SOURCE, GATED_DELTA_SOURCE):
+        assert f"OK   {source}" in result.stdout
 
 
 def test_misspelt_api_calls_fail_the_check(tmp_path):
-    text = SOURCE.read_text()
-    broken = []
-    for i, (good, bad) in enumerate(MISSPELLINGS):
-        assert good in text, f"the source no longer contains {good!r}; update MISSPELLINGS"
-        path = tmp_path / f"broken_{i}.cpp"
-        path.write_text(text.replace(good, bad, 1))
-        broken.append(path)
+    broken, misspellings = [], []
+    for source, table in ((SOURCE, MISSPELLINGS), (GATED_DELTA_SOURCE, GATED_DELTA_MISSPELLINGS)):
+        text = source.read_text()
+        for good, bad in table:
+            assert good in text, f"{source.name} no longer contains {good!r}; update the list"
+            path = tmp_path / f"broken_{len(broken)}.cpp"
+            path.write_text(text.replace(good, bad, 1))
+            broken.append(path)
+            misspellings.append((good, bad))
     result = run_check(SOURCE, *broken)
     assert result.returncode == 1
     assert f"OK   {SOURCE}" in result.stdout
-    for path, (_, bad) in zip(broken, MISSPELLINGS):
+    for path, (_, bad) in zip(broken, misspellings):
         assert f"FAIL {path}" in result.stderr, f"{bad!r} was not caught"
         name = re.search(r"(\w+)\(", bad).group(1)
         assert re.search(rf"{path.name}:\d+:\d+: error: .*{name}", result.stderr), name

@@ -144,10 +144,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]})),
     # Hybrid: layers L F L F (Gated DeltaNet linear attention, gated full
     # attention with partial RoPE), conv kernel 4, 4 value heads per 2 key
-    # heads, MoE with a shared expert on every layer but the first.
+    # heads (key head dim 32: the smallest the fused gated-delta primitive
+    # runs), MoE with a shared expert on every layer but the first.
     "qwen3_next": ("Qwen3NextForCausalLM", dict(
         num_hidden_layers=4, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], moe_intermediate_size=32,
         shared_expert_intermediate_size=64, norm_topk_prob=True, partial_rotary_factor=0.25,
         rope_scaling=None)),
@@ -184,14 +185,14 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # with partial RoPE), conv kernel 4, 4 value heads per 2 key heads, tied head.
     "qwen3_5": ("Qwen3_5ForCausalLM", dict(
         num_hidden_layers=3, full_attention_interval=3, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
         rms_norm_eps=1e-6, rope_theta=DROP, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                               "partial_rotary_factor": 0.25})),
     # MoE: layers L F L, MoE with a shared expert on every layer, as many
     # value heads as key heads.
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", dict(
         num_hidden_layers=3, full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        linear_key_head_dim=32, linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
         rms_norm_eps=1e-6, rope_theta=DROP, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                               "partial_rotary_factor": 0.25})),

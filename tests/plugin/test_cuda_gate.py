@@ -32,6 +32,7 @@ def test_doctor_json_on_this_machine():
     assert report["extension"] == {"built_against_mlx": "0.32.4", "metal_kernels": False, "loaded": True}
     assert report["attention_path"]["name"] == "cpu" and report["attention_path"]["reason"]
     assert report["hybrid_state_writeback"]["mode"] == "inplace"
+    assert report["gated_delta_path"]["name"] == "fused" and report["gated_delta_path"]["reason"]
     assert len(report["cuda_paths"]) == len(cuda_gate.CUDA_PATHS)
     assert all(p["status"] == {"warn": "inert", "error": "refused"}[p["if_requested"]] and p["reason"]
                and p["instead"] for p in report["cuda_paths"])
@@ -44,6 +45,7 @@ def test_doctor_text_and_module_entry_point():
                          env=dict(os.environ, VLLM_METAL_DEVICE="cpu"), timeout=120)
     assert out.returncode == 0
     assert "attention   cpu:" in out.stdout and "CUDA graphs: inert" in out.stdout
+    assert "gated delta fused:" in out.stdout
 
 
 def test_doctor_fails_when_plugin_would_be_inactive():

@@ -28,8 +28,8 @@ def hybrid_dir(model_dir, tmp_path_factory):
 def test_preemption_recomputes_the_state(hybrid_dir):
     """A tiny cache forces preemptions; tokens equal an unconstrained engine
     whose attention blocks are 16 tokens (--block-size 16) where the
-    platform's own choice for this model is 32 (the smallest block size whose
-    attention page holds one layer's state, 5.5 KiB)."""
+    platform's own choice for this model is 64 (the smallest block size whose
+    attention page holds one layer's state, 10.25 KiB)."""
     prompts = [LONG[20 * i:20 * i + 150 + 10 * i] for i in range(8)]  # 150..220 tokens
     common = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=False)
     with engine(hybrid_dir, kv_cache_memory_bytes=16 << 20, block_size=16, **common) as llm:
@@ -38,10 +38,10 @@ def test_preemption_recomputes_the_state(hybrid_dir):
         # The budget holds although every layer has arrays of its own (vLLM's
         # plan lets one layer per group share a tensor): the worker scales it.
         assert sum(a.nbytes for a in runner_of(llm).kv.arrays()) <= 16 << 20
-    # 40 blocks (vLLM wants room for one max_model_len request: 16 + 1): each
-    # request needs 7-9 attention blocks of 32 tokens and 1 state slot, so 8
+    # 30 blocks (vLLM wants room for one max_model_len request: 8 + 1): each
+    # request needs 3-5 attention blocks of 64 tokens and 1 state slot, so 8
     # at once cannot all keep theirs.
-    with engine(hybrid_dir, num_gpu_blocks_override=40, **common) as llm:
+    with engine(hybrid_dir, num_gpu_blocks_override=30, **common) as llm:
         runner = runner_of(llm)
         tokens, _ = greedy(llm, prompts, max_tokens=64)
         resumed = runner.batch.num_resumed
@@ -55,10 +55,10 @@ def test_preemption_recomputes_the_state(hybrid_dir):
         free = pool.get_num_free_blocks()
     assert "MambaManager" in held and set(held.values()) == {0}, held
     assert free == pool.num_gpu_blocks - 1
-    # Two KV-cache groups: attention (32-token blocks) and the state slots
+    # Two KV-cache groups: attention (64-token blocks) and the state slots
     # (one per request: block size = max_model_len).
-    assert sorted(runner.block_sizes) == [32, 512]
-    assert state_pool.shape[0] == 40 and state_pool.dtype == mx.float32
+    assert sorted(runner.block_sizes) == [64, 512]
+    assert state_pool.shape[0] == 30 and state_pool.dtype == mx.float32
     assert resumed > 0, "the tiny cache should have forced preemptions"
     assert tokens == expected
 
@@ -150,6 +150,26 @@ def test_state_write_back_in_place_or_copied(hybrid_dir, mode, monkeypatch):
     other, _ = _run_steps(loaded, loaded.allocate_kv(2048, [16], [0] * loaded.num_layers), states)
     for a, b in zip(logits, other):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gated_delta_paths_agree(hybrid_dir, monkeypatch):
+    """VLLM_METAL_GATED_DELTA: the fused primitive (the default on the CPU)
+    and mlx-lm's gated_delta_update give the same greedy tokens and logits
+    within float32 rounding, through prefill, chunked and decode rows."""
+    logits = {}
+    for mode in ("auto", "mlx-lm"):
+        monkeypatch.setenv("VLLM_METAL_GATED_DELTA", mode)
+        loaded = load_model(hybrid_dir, dtype="float32")
+        layers = [m for m in loaded.model.modules() if type(m).__name__ == "GatedDeltaLayer"]
+        assert layers and all(m.fused == (mode == "auto") for m in layers)
+        states = [i for i, spec in enumerate(loaded.layer_kv) if spec.layout == "state"]
+        logits[mode], _ = _run_steps(loaded, loaded.allocate_kv(2048, [16], [0] * loaded.num_layers), states)
+    for fused, reference in zip(logits["auto"], logits["mlx-lm"]):
+        np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
+        np.testing.assert_allclose(fused, reference, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("VLLM_METAL_GATED_DELTA", "faster")
+    with pytest.raises(ValueError, match="VLLM_METAL_GATED_DELTA='faster'"):
+        load_model(hybrid_dir, dtype="float32")
 
 
 def test_bad_write_back_mode_is_refused(hybrid_dir, monkeypatch):

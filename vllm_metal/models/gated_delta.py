@@ -1,7 +1,11 @@
 """Gated DeltaNet (linear attention) layers of hybrid models on per-request
 state slots: the `linear_attn` of qwen3_next, qwen3_5 and qwen3_5_moe, run
-by mlx-lm's own convolution and gated-delta recurrence (`gated_delta_update`:
-its Metal kernel on the GPU, its ops path on the CPU). qwen3_5's layer
+by mlx-lm's own convolution, gating (`compute_g`) and q/k normalisation, and
+a gated-delta recurrence chosen per device (`ops.gated_delta_path`,
+VLLM_METAL_GATED_DELTA): on MLX's CPU device this package's fused primitive
+(`ops.gated_delta`: one C++ loop per sequence and head instead of mlx-lm's
+handful of MLX ops per token, which made prefill ~30x slower), on the GPU
+mlx-lm's `gated_delta_update` with its own Metal kernels. qwen3_5's layer
 differs from qwen3_next's only in its input projections (separate in_proj_qkv
 / _z / _b / _a instead of two packed ones interleaved per key head), which
 `projections` reads either way.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from vllm_metal import ops
 from vllm_metal.models.state_slots import SlotStep
 
 
@@ -51,6 +56,17 @@ class GatedDeltaLayer(nn.Module):
         self.num_k_heads, self.num_v_heads = int(inner.num_k_heads), int(inner.num_v_heads)
         self.head_k_dim, self.head_v_dim = int(inner.head_k_dim), int(inner.head_v_dim)
         self.key_dim = self.num_k_heads * self.head_k_dim
+        # The fused primitive where the path says so and it supports the head sizes.
+        self.fused = (ops.gated_delta_path()[0] == "fused" and self.head_k_dim in ops.GATED_DELTA_KEY_DIMS
+                      and self.head_v_dim <= ops.GATED_DELTA_MAX_VALUE_DIM)
+
+    def recurrence(self, q, k, v, gate_a, b, state, mask):
+        """mlx-lm's gated_delta_update (beta = sigmoid(b), g = compute_g(A_log,
+        a, dt_bias)) with the recurrence itself in the fused primitive."""
+        from mlx_lm.models.gated_delta import compute_g
+
+        a = self.inner
+        return ops.gated_delta(q, k, v, compute_g(a.A_log, gate_a, a.dt_bias), mx.sigmoid(b), state, mask)
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -80,8 +96,11 @@ class GatedDeltaLayer(nn.Module):
         kc = kc.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
         vc = vc.reshape(num_seqs, width, self.num_v_heads, self.head_v_dim)
         qc, kc = normalize_qk(qc, kc, inv_scale=self.head_k_dim ** -0.5, eps=1e-6)
-        out, state = gated_delta_update(qc, kc, vc, step.pad(gate_a), step.pad(b), a.A_log, a.dt_bias,
-                                        step.gather(1), step.rows.mask, use_kernel=not a.training)
+        if self.fused:
+            out, state = self.recurrence(qc, kc, vc, step.pad(gate_a), step.pad(b), step.gather(1), step.rows.mask)
+        else:
+            out, state = gated_delta_update(qc, kc, vc, step.pad(gate_a), step.pad(b), a.A_log, a.dt_bias,
+                                            step.gather(1), step.rows.mask, use_kernel=not a.training)
         step.write(1, state)
         out = a.norm(step.unpad(out), z)
         return step.done(a.out_proj(out.reshape(1, x.shape[1], -1)))

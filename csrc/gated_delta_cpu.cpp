@@ -1,0 +1,101 @@
+// GatedDelta::eval_cpu: the CPU backend of the gated-delta primitive. Takes
+// over the input state's buffer for the final state when MLX allows it (the
+// gathered states of a step are a temporary nobody else holds), so the
+// recurrence runs in place, and runs the kernel variant for this CPU.
+#include <cstring>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#include "cpu/gated_delta_kernel.h"
+#include "gated_delta.h"
+
+namespace vllm_metal {
+
+namespace {
+
+void (*select_gated_delta_kernel())(const cpu::GatedDeltaKernelArgs&) {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return cpu::gated_delta_avx2;
+  }
+#endif
+  return cpu::gated_delta_generic;
+}
+
+// dst (row-contiguous [B, Hv, Dv, Dk]) = src in any layout.
+void copy_state(const mx::array& src, float* dst) {
+  const float* p = src.data<float>();
+  if (src.flags().row_contiguous) {
+    std::memcpy(dst, p, src.nbytes());
+    return;
+  }
+  const auto& st = src.strides();
+  int64_t i = 0;
+  for (int a = 0; a < src.shape(0); ++a)
+    for (int b = 0; b < src.shape(1); ++b)
+      for (int c = 0; c < src.shape(2); ++c)
+        for (int d = 0; d < src.shape(3); ++d)
+          dst[i++] = p[a * st[0] + b * st[1] + c * st[2] + d * st[3]];
+}
+
+} // namespace
+
+void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& y = outputs[0];
+  auto& state_out = outputs[1];
+  release_sibling_inputs(inputs, outputs);
+  const auto& state_in = inputs[kStateInput];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  if (state_in.flags().row_contiguous && state_in.is_donatable()) {
+    state_out.copy_shared_buffer(state_in);
+  } else {
+    state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
+  }
+  if (y.size() == 0 && state_out.size() == 0) {
+    return;
+  }
+  static const auto kernel = select_gated_delta_kernel();
+  const auto& q = inputs[0];
+  const auto& v = inputs[2];
+  cpu::GatedDeltaKernelArgs args{};
+  args.dtype = y.dtype() == mx::float32 ? cpu::KernelDtype::float32
+      : y.dtype() == mx::float16       ? cpu::KernelDtype::float16
+                                       : cpu::KernelDtype::bfloat16;
+  args.batch = q.shape(0);
+  args.steps = q.shape(1);
+  args.k_heads = q.shape(2);
+  args.key_dim = q.shape(3);
+  args.v_heads = v.shape(2);
+  args.value_dim = v.shape(3);
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(y);
+  encoder.set_output_array(state_out);
+  encoder.dispatch([inputs, y, state_out, args]() mutable {
+    args.q = inputs[0].data<void>();
+    args.k = inputs[1].data<void>();
+    args.v = inputs[2].data<void>();
+    args.g = inputs[3].data<float>();
+    args.beta = inputs[4].data<float>();
+    // The recurrence runs on state_out: the donated input itself, or a copy
+    // of the input state (any layout) made here.
+    const auto& in = inputs[kStateInput];
+    float* state = state_out.data<float>();
+    if (in.data<float>() != state) {
+      copy_state(in, state);
+    }
+    args.state_in = state;
+    args.mask = has_mask(inputs) ? inputs[kMaskInput].data<bool>() : nullptr;
+    args.y = y.data<void>();
+    args.state_out = state_out.data<float>();
+    kernel(args);
+  });
+}
+
+} // namespace vllm_metal
