@@ -7,7 +7,8 @@ architectures, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`):
 - the multimodal architecture Qwen3.5 checkpoints ship
   (`Qwen3_5ForConditionalGeneration`, M-RoPE sections in its rope
   parameters) is refused unless served text-only (vllm-metal runs no vision
-  encoder), and text-only it matches mlx-lm's forward.
+  encoder), and text-only it matches mlx-lm's forward, also through
+  `vllm serve` with the flags `vllm-metal doctor` names.
 """
 
 from __future__ import annotations
@@ -93,3 +94,36 @@ def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir)
         assert (rows[np.arange(len(tokens)), tokens] >= rows.max(axis=1) - TOL).all()
         got = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
         np.testing.assert_allclose(got, lp[np.arange(len(prompt) - 1), prompt[1:]], atol=TOL)
+
+
+@pytest.mark.slow
+def test_vllm_serve_qwen3_5_checkpoint_with_doctor_flags(multimodal_dir, tmp_path):
+    """`vllm serve` on a Qwen3.5 checkpoint with the flags `vllm-metal doctor`
+    names: two concurrent completions over HTTP (continuous batching of a
+    hybrid through the OpenAI server) give mlx-lm's greedy tokens, judged by
+    teacher forcing, with the fused gated-delta recurrence."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from server_helpers import SERVED_NAME, vllm_server
+
+    from vllm_metal.capabilities import model_check
+
+    prompts = [LONG[:30], LONG[200:260]]
+    ref = reference_logprobs(multimodal_dir)
+    with vllm_server(multimodal_dir, *model_check(multimodal_dir)["flags"],
+                     log_path=tmp_path / "serve.log") as (base, _):
+        def complete(prompt):
+            r = httpx.post(base + "/v1/completions", timeout=120, json=dict(
+                model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, logprobs=0,
+                return_tokens_as_token_ids=True))
+            r.raise_for_status()
+            return r.json()["choices"][0]
+
+        with ThreadPoolExecutor(2) as pool:
+            choices = list(pool.map(complete, prompts))
+    for prompt, choice in zip(prompts, choices):
+        tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+        assert len(tokens) == 8
+        rows = ref(prompt + tokens[:-1])[len(prompt) - 1:]
+        assert (rows[np.arange(len(tokens)), tokens] >= rows.max(axis=1) - TOL).all()
