@@ -9,8 +9,6 @@ the final rounding of y separate the two."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ import pytest
 
 import msl_build
 import msl_executor
-from metal_tools import tool_missing
+from metal_tools import embedding_project, tool_missing
 from numpy_reference import gated_delta_f64, gated_delta_inputs
 from paged_attention_cases import round_to, storage
 
@@ -238,40 +236,10 @@ def test_embedded_source_is_self_contained_ascii(embedded):
     assert re.search(r"\[\[kernel\]\] void gated_delta\(", embedded)
 
 
-CMAKE_PROJECT = """
-cmake_minimum_required(VERSION 3.24)
-project(embed_check LANGUAGES CXX)
-include(cmake/metal_kernels.cmake)
-list(GET VLLM_METAL_SOURCES 1 header)
-add_executable(print_source print_source.cpp "${header}")
-target_include_directories(print_source PRIVATE ${VLLM_METAL_INCLUDE_DIRS})
-set_target_properties(print_source PROPERTIES CXX_STANDARD 17)
-"""
-PRINTER = """
-#include <cstdio>
-#include "gated_delta_metal_source.h"
-int main() { std::fputs(vllm_metal::kGatedDeltaMetalSource, stdout); }
-"""
-
-
 def test_cmake_embeds_the_gated_delta_library(tmp_path, embedded):
     """cmake/metal_kernels.cmake generates gated_delta_metal_source.h with the
     embedded source, and lists csrc/gated_delta_metal.cpp among the sources."""
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        tool_missing("no C++ compiler")
-    project = tmp_path / "project"
-    shutil.copytree(REPO / "metal", project / "metal")
-    shutil.copytree(REPO / "cmake", project / "cmake")
-    (project / "CMakeLists.txt").write_text(CMAKE_PROJECT)
-    (project / "print_source.cpp").write_text(PRINTER)
-    cmake = msl_build.find_cmake()
-    build = tmp_path / "build"
-    for cmd in ([cmake, "-S", str(project), "-B", str(build), f"-DCMAKE_CXX_COMPILER={cxx}"],
-                [cmake, "--build", str(build)]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
-    printed = subprocess.run([str(build / "print_source")], capture_output=True, text=True,
-                             check=True).stdout
+    _, build_and_print = embedding_project(tmp_path, 1, "gated_delta_metal_source.h", "kGatedDeltaMetalSource")
+    printed = build_and_print()
     assert printed == embedded
     assert "csrc/gated_delta_metal.cpp" in (REPO / "cmake" / "metal_kernels.cmake").read_text()

@@ -6,14 +6,12 @@ can ask for."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import msl_build
-from metal_tools import tool_missing
+from metal_tools import embedding_project, tool_missing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,45 +53,12 @@ def test_every_kernel_the_host_asks_for_is_instantiated(executor):
                         f"eval_gpu would ask for {name}, which is not instantiated")
 
 
-CMAKE_PROJECT = """
-cmake_minimum_required(VERSION 3.24)
-project(embed_check LANGUAGES CXX)
-include(cmake/metal_kernels.cmake)
-list(GET VLLM_METAL_SOURCES 0 header)
-add_executable(print_source print_source.cpp "${header}")
-target_include_directories(print_source PRIVATE ${VLLM_METAL_INCLUDE_DIRS})
-set_target_properties(print_source PROPERTIES CXX_STANDARD 17)
-"""
-PRINTER = """
-#include <cstdio>
-#include "paged_attention_metal_source.h"
-int main() { std::fputs(vllm_metal::kPagedAttentionMetalSource, stdout); }
-"""
-
-
 def test_cmake_embeds_and_regenerates_on_change(tmp_path, embedded):
     """The build's own CMake code (cmake/metal_kernels.cmake) in a small
     project: the compiled-in string is the embedded source, and editing a
     file in metal/ regenerates it."""
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        tool_missing("no C++ compiler")
-    project = tmp_path / "project"
-    shutil.copytree(REPO / "metal", project / "metal")
-    shutil.copytree(REPO / "cmake", project / "cmake")
-    (project / "CMakeLists.txt").write_text(CMAKE_PROJECT)
-    (project / "print_source.cpp").write_text(PRINTER)
-    cmake = msl_build.find_cmake()
-    build = tmp_path / "build"
-
-    def build_and_print() -> str:
-        for cmd in ([cmake, "-S", str(project), "-B", str(build), f"-DCMAKE_CXX_COMPILER={cxx}"],
-                    [cmake, "--build", str(build)]):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            assert done.returncode == 0, done.stdout + done.stderr
-        return subprocess.run([str(build / "print_source")], capture_output=True,
-                              text=True, check=True).stdout
-
+    project, build_and_print = embedding_project(tmp_path, 0, "paged_attention_metal_source.h",
+                                                 "kPagedAttentionMetalSource")
     assert build_and_print() == embedded
     tuning = project / "metal" / "paged_attention_tuning.h"
     tuning.write_text(tuning.read_text() + "// edited\n")
