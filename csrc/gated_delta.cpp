@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mlx/allocator.h"
 #include "mlx/ops.h"
 
 #include "op_util.h"
@@ -131,6 +132,17 @@ std::vector<mx::array> gated_delta(
 std::vector<mx::Shape> GatedDelta::output_shapes(const std::vector<mx::array>& inputs) {
   const auto& v = inputs[2];
   return {v.shape(), inputs[kStateInput].shape()};
+}
+
+void GatedDelta::allocate_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  release_sibling_inputs(inputs, outputs);
+  const auto& state_in = inputs[kStateInput];
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  if (state_in.flags().row_contiguous && state_in.is_donatable()) {
+    outputs[1].copy_shared_buffer(state_in);
+  } else {
+    outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
+  }
 }
 
 } // namespace vllm_metal

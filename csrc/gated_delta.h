@@ -87,6 +87,11 @@ class GatedDelta : public mx::Primitive {
     }
   }
 
+  // Both backends begin here: releases the siblings' inputs, gives y its own
+  // buffer and the final state the input state's buffer where it can be
+  // donated (row-contiguous, referenced by nothing else), else its own.
+  static void allocate_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+
   static constexpr int kStateInput = 5;
   static constexpr int kMaskInput = 6;
   static bool has_mask(const std::vector<mx::array>& inputs) {

@@ -46,14 +46,7 @@ void copy_state(const mx::array& src, float* dst) {
 void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& y = outputs[0];
   auto& state_out = outputs[1];
-  release_sibling_inputs(inputs, outputs);
-  const auto& state_in = inputs[kStateInput];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  if (state_in.flags().row_contiguous && state_in.is_donatable()) {
-    state_out.copy_shared_buffer(state_in);
-  } else {
-    state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
-  }
+  allocate_outputs(inputs, outputs);
   if (y.size() == 0 && state_out.size() == 0) {
     return;
   }

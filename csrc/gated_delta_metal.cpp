@@ -53,14 +53,8 @@ MTL::ComputePipelineState* get_pipeline(mx::metal::Device& device, const std::st
 void GatedDelta::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& y = outputs[0];
   auto& state_out = outputs[1];
-  release_sibling_inputs(inputs, outputs);
+  allocate_outputs(inputs, outputs);
   const auto& state_in = inputs[kStateInput];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  if (state_in.is_donatable() && state_in.itemsize() == state_out.itemsize()) {
-    state_out.copy_shared_buffer(state_in);
-  } else {
-    state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
-  }
   // An empty state means B * Hv * Dv == 0: y is empty too. With T == 0 (y
   // empty, state not) the kernel still runs, to copy the state.
   if (state_out.size() == 0) {

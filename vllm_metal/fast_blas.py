@@ -50,7 +50,7 @@ uses Accelerate/Metal and needs none of this.
 Few-row products (3 to 8 rows times a weight: a batch of decode rows) run
 the shim's own AVX2 kernel, which reads the weight once at close to memory
 bandwidth, on its own small thread pool (VLLM_METAL_CPU_THREADS, or the
-usable cores), where OpenBLAS packs the weight first (csrc/blas_shim.c).
+usable cores), where OpenBLAS packs the weight first (csrc/blas_few_rows.c).
 
 Threads: numpy's OpenBLAS sizes its pool to the cores (OPENBLAS_NUM_THREADS
 overrides it, for both libraries; the system one only serves LAPACK now, so
@@ -141,7 +141,9 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_few_rows_supported.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_threads.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_threads.restype = ctypes.c_int
-        threads = os.environ.get("VLLM_METAL_CPU_THREADS", "").strip()
+        from vllm_metal import envs  # (no MLX import: safe before mlx.core)
+
+        threads = (envs.get("VLLM_METAL_CPU_THREADS") or "").strip()
         lib.vllm_metal_blas_shim_set_threads(int(threads) if threads.isdigit() else 0)
         err = ctypes.create_string_buffer(512)
         if lib.vllm_metal_blas_shim_init(target.encode(), err, len(err)) != 0:

@@ -32,10 +32,12 @@ MISSPELLINGS = [
     ("mx::allocator::malloc(plan.total_bytes)", "mx::allocator::malloc_buffer(plan.total_bytes)"),
     ("pipeline->threadExecutionWidth()", "pipeline->threadExecutionWidht()"),
 ]
-# The same for the gated-delta eval_gpu: the state donation and argument calls.
+# The same for the gated-delta eval_gpu (its output allocation and donation
+# are in csrc/gated_delta.cpp, compiled by every build).
 GATED_DELTA_MISSPELLINGS = [
-    ("state_in.is_donatable()", "state_in.is_donateable()"),
-    ("state_out.copy_shared_buffer(state_in)", "state_out.copy_shared_buffers(state_in)"),
+    ("encoder.set_compute_pipeline_state(pipeline)", "encoder.set_compute_pipeline(pipeline)"),
+    ("encoder.set_output_array(state_out, kGdStateOutBuffer)",
+     "encoder.set_outputs_array(state_out, kGdStateOutBuffer)"),
     ("encoder.set_bytes(plan.args, kGdArgsBuffer)", "encoder.set_byte(plan.args, kGdArgsBuffer)"),
 ]
 

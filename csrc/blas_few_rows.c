@@ -1,0 +1,250 @@
+/* The BLAS shim's few-row kernel (blas_shim.c sends it row-major
+ * x[M,K] @ W[N,K]^T with 3..8 rows): W read once, two rows at a time against
+ * all M rows of x (in cache), 4 x 2 outputs in AVX2 registers, the columns
+ * split over a small pthread pool (one thread per usable core, the caller
+ * included; set_threads), restarted in a fork's child. Each output is one
+ * dot product of 8-lane partial sums in a fixed order: it does not depend on
+ * the threads or on the other rows of the call. */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "blas_few_rows.h"
+
+typedef struct {
+  i64 M, N, K, lda, ldb, ldc;
+  float alpha, beta;
+  const float* A;
+  const float* B;
+  float* C;
+} FewRowsJob;
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline void store_out(const FewRowsJob* j, i64 m, i64 n, float dot) {
+  float* c = j->C + m * j->ldc + n;
+  *c = j->beta == 0.0f ? j->alpha * dot : j->alpha * dot + j->beta * *c;
+}
+
+/* Columns [n0, n1) of C: W's rows two at a time against A's rows four at a
+ * time (8 accumulators in registers), then single rows; K's tail (K % 8)
+ * in scalars. */
+#define DOT_TAIL(d, a, w) for (i64 k = K8; k < K; ++k) d += (a)[k] * (w)[k]
+__attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob* j, i64 n0, i64 n1) {
+  const i64 K = j->K, K8 = K & ~(i64)7, M4 = j->M & ~(i64)3;
+  i64 n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const float* w0 = j->B + n * j->ldb;
+    const float* w1 = w0 + j->ldb;
+    i64 m = 0;
+    for (; m < M4; m += 4) {
+      const float* a0 = j->A + m * j->lda;
+      const float* a1 = a0 + j->lda;
+      const float* a2 = a1 + j->lda;
+      const float* a3 = a2 + j->lda;
+      __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(),
+             c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
+             c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+      for (i64 k = 0; k < K8; k += 8) {
+        const __m256 x0 = _mm256_loadu_ps(w0 + k), x1 = _mm256_loadu_ps(w1 + k);
+        __m256 v = _mm256_loadu_ps(a0 + k);
+        c00 = _mm256_fmadd_ps(v, x0, c00);
+        c01 = _mm256_fmadd_ps(v, x1, c01);
+        v = _mm256_loadu_ps(a1 + k);
+        c10 = _mm256_fmadd_ps(v, x0, c10);
+        c11 = _mm256_fmadd_ps(v, x1, c11);
+        v = _mm256_loadu_ps(a2 + k);
+        c20 = _mm256_fmadd_ps(v, x0, c20);
+        c21 = _mm256_fmadd_ps(v, x1, c21);
+        v = _mm256_loadu_ps(a3 + k);
+        c30 = _mm256_fmadd_ps(v, x0, c30);
+        c31 = _mm256_fmadd_ps(v, x1, c31);
+      }
+      float d00 = hsum8(c00), d01 = hsum8(c01), d10 = hsum8(c10), d11 = hsum8(c11);
+      float d20 = hsum8(c20), d21 = hsum8(c21), d30 = hsum8(c30), d31 = hsum8(c31);
+      DOT_TAIL(d00, a0, w0); DOT_TAIL(d01, a0, w1); DOT_TAIL(d10, a1, w0); DOT_TAIL(d11, a1, w1);
+      DOT_TAIL(d20, a2, w0); DOT_TAIL(d21, a2, w1); DOT_TAIL(d30, a3, w0); DOT_TAIL(d31, a3, w1);
+      store_out(j, m, n, d00); store_out(j, m, n + 1, d01);
+      store_out(j, m + 1, n, d10); store_out(j, m + 1, n + 1, d11);
+      store_out(j, m + 2, n, d20); store_out(j, m + 2, n + 1, d21);
+      store_out(j, m + 3, n, d30); store_out(j, m + 3, n + 1, d31);
+    }
+    for (; m < j->M; ++m) {
+      const float* a0 = j->A + m * j->lda;
+      __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+      for (i64 k = 0; k < K8; k += 8) {
+        const __m256 v = _mm256_loadu_ps(a0 + k);
+        c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
+        c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);
+      }
+      float d0 = hsum8(c0), d1 = hsum8(c1);
+      DOT_TAIL(d0, a0, w0); DOT_TAIL(d1, a0, w1);
+      store_out(j, m, n, d0); store_out(j, m, n + 1, d1);
+    }
+  }
+  for (; n < n1; ++n) {
+    const float* w = j->B + n * j->ldb;
+    for (i64 m = 0; m < j->M; ++m) {
+      const float* a = j->A + m * j->lda;
+      __m256 acc = _mm256_setzero_ps();
+      for (i64 k = 0; k < K8; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(w + k), acc);
+      float d = hsum8(acc);
+      DOT_TAIL(d, a, w);
+      store_out(j, m, n, d);
+    }
+  }
+}
+#undef DOT_TAIL
+#endif
+
+/* A pool of helper threads (cores - 1; the caller is the last worker). A call
+ * publishes its job under the lock, bumps the generation and wakes them; each
+ * worker w takes the w-th slice of the columns; the caller waits for all. */
+enum { MAX_THREADS = 64 };
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static int pool_threads = 0;  /* total workers incl. the caller; 0: not started */
+static int pool_requested = 0; /* set_threads value; 0: the CPUs this process may use */
+static long pool_generation = 0;
+static int pool_pending = 0;
+static FewRowsJob pool_job;
+
+static void slice(int w, int workers, i64 N, i64* n0, i64* n1) {
+  /* Even-sized slices of whole column pairs. */
+  i64 pairs = (N + 1) / 2;
+  *n0 = 2 * (pairs * w / workers);
+  *n1 = 2 * (pairs * (w + 1) / workers);
+  if (*n1 > N) *n1 = N;
+  if (*n0 > N) *n0 = N;
+}
+
+static void* pool_main(void* arg) {
+  const int w = (int)(intptr_t)arg;
+  long seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&pool_lock);
+    while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
+    seen = pool_generation;
+    FewRowsJob job = pool_job;
+    const int workers = pool_threads;
+    pthread_mutex_unlock(&pool_lock);
+    i64 n0, n1;
+    slice(w, workers, job.N, &n0, &n1);
+#if defined(__x86_64__)
+    if (n0 < n1) few_rows_range(&job, n0, n1);
+#endif
+    pthread_mutex_lock(&pool_lock);
+    if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+    pthread_mutex_unlock(&pool_lock);
+  }
+  return NULL;
+}
+
+static int usable_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+/* Starts the pool on first use (not in a fork's child: its threads would be gone). */
+static void pool_start_locked(void) {
+  if (pool_threads) return;
+  int want = pool_requested > 0 ? pool_requested : usable_cpus();
+  if (want > MAX_THREADS) want = MAX_THREADS;
+  int started = 1;
+  for (int w = 1; w < want; ++w) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, pool_main, (void*)(intptr_t)w) == 0) ++started;
+    pthread_attr_destroy(&attr);
+    if (started != w + 1) break;
+  }
+  pool_threads = started;
+}
+
+static void pool_reset_after_fork(void) {
+  /* The child has only the forking thread: start a new pool on first use. */
+  pthread_mutex_init(&pool_lock, NULL);
+  pthread_mutex_init(&call_lock, NULL);
+  pthread_cond_init(&pool_wake, NULL);
+  pthread_cond_init(&pool_done, NULL);
+  pool_threads = 0;
+  pool_generation = 0;
+  pool_pending = 0;
+}
+
+__attribute__((constructor)) static void register_fork_handler(void) {
+  pthread_atfork(NULL, NULL, pool_reset_after_fork);
+}
+
+/* Threads the few-row kernel uses (caller included); 0: the CPUs this process
+ * may use. Takes effect when the pool starts (its first call); returns the
+ * number running (0: not started yet). */
+EXPORT int vllm_metal_blas_shim_set_threads(int threads) {
+  pthread_mutex_lock(&pool_lock);
+  pool_requested = threads < 0 ? 0 : threads;
+  int running = pool_threads;
+  pthread_mutex_unlock(&pool_lock);
+  return running;
+}
+
+int few_rows_cpu_supported(void) {
+#if defined(__x86_64__)
+  static int cached = -1;
+  if (cached < 0) {
+    __builtin_cpu_init();
+    cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+  return cached;
+#else
+  return 0;
+#endif
+}
+
+/* 1 when this CPU can run the few-row kernel (AVX2 and FMA). */
+EXPORT int vllm_metal_blas_shim_few_rows_supported(void) { return few_rows_cpu_supported(); }
+
+
+void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
+                    i64 ldb, float beta, float* C, i64 ldc) {
+  FewRowsJob job = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
+  pthread_mutex_lock(&call_lock);
+  pthread_mutex_lock(&pool_lock);
+  pool_start_locked();
+  const int workers = pool_threads;
+  /* Small products are not worth waking the pool (~64k multiply-adds). */
+  const int use_pool = workers > 1 && M * N * K >= (1 << 16);
+  if (use_pool) {
+    pool_job = job;
+    pool_pending = workers - 1;
+    ++pool_generation;
+    pthread_cond_broadcast(&pool_wake);
+  }
+  pthread_mutex_unlock(&pool_lock);
+#if defined(__x86_64__)
+  i64 n0 = 0, n1 = N;
+  if (use_pool) slice(0, workers, N, &n0, &n1);
+  if (n0 < n1) few_rows_range(&job, n0, n1);
+#endif
+  if (use_pool) {
+    pthread_mutex_lock(&pool_lock);
+    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_lock);
+    pthread_mutex_unlock(&pool_lock);
+  }
+  pthread_mutex_unlock(&call_lock);
+}

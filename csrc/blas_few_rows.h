@@ -1,0 +1,17 @@
+/* Between blas_shim.c and its few-row kernel (blas_few_rows.c). */
+#pragma once
+
+#include <stdint.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int64_t i64;
+
+/* 1 when this CPU runs the kernel (AVX2 and FMA). */
+int few_rows_cpu_supported(void);
+
+/* Row-major C[M,N] = alpha A[M,K] B[N,K]^T + beta C (beta 0: C not read),
+ * A's and B's rows contiguous (strides lda, ldb), K >= 8; only where
+ * few_rows_cpu_supported(). One call at a time runs; others wait. */
+void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
+                    i64 ldb, float beta, float* C, i64 ldc);
