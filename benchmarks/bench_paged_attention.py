@@ -4,15 +4,43 @@ Prints, for decode and prefill shapes, the time per call and the effective KV
 bytes read per second beside this machine's measured memory-copy bandwidth,
 then a 28-layer write+read graph evaluated once vs with an eval per layer.
 
+`--tiles` instead times the CPU kernel per shape class (decode at batch 1 and
+8, short, prefill) for head dims 64, 128 and 256 in float32, sweeping the
+prefill rows per tile: the measurements behind the table in
+csrc/cpu/paged_attention_tiles.h. `--ext PATH` loads another build of the
+extension (e.g. the previous kernel) to compare.
+
     python benchmarks/bench_paged_attention.py [--quick] [--json out.json]
+    python benchmarks/bench_paged_attention.py --tiles [--ext old/_ext.so] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
+import sys
 import time
+
+
+def _load_ext_override():
+    """--ext PATH: import that build of vllm_metal._ext before the package does."""
+    if "--ext" not in sys.argv:
+        return
+    path = sys.argv[sys.argv.index("--ext") + 1]
+    from vllm_metal import fast_blas
+
+    fast_blas.preload()
+    import mlx.core  # noqa: F401  (libmlx first: the other build finds it loaded)
+
+    spec = importlib.util.spec_from_file_location("vllm_metal._ext", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_metal._ext"] = module
+    spec.loader.exec_module(module)
+
+
+_load_ext_override()
 
 from vllm_metal import ops  # first: gives MLX the fast BLAS
 
@@ -84,11 +112,75 @@ def layer_chain(eval_each_layer, layers=28, tokens=8, context=512):
     return timeit(step)
 
 
+# Shape classes of the tile table: (heads, kv heads) per head dim, like
+# SmolLM2-135M (64), Llama-3-8B (128) and Gemma-2-style (256) layers.
+TILE_HEADS = {64: (9, 3), 128: (32, 8), 256: (8, 2)}
+TILE_CASES = [  # (name, sequences, new tokens each, context)
+    ("decode b1", 1, 1, 1024),
+    ("decode b8", 8, 1, 1024),
+    ("short b4 x 4", 4, 4, 1024),
+    ("prefill 1024", 1, 1024, 1024),
+]
+PREFILL_ROWS = (16, 32, 64, 128, 256)
+
+
+def tile_case(head_dim, num_seqs, new_tokens, context, rng):
+    heads, kv_heads = TILE_HEADS[head_dim]
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
+    kc = mx.array(rng.standard_normal(shape, np.float32))
+    vc = mx.array(rng.standard_normal(shape, np.float32))
+    bt = mx.array(rng.permutation(num_blocks).reshape(num_seqs, blocks_per_seq).astype(np.int32))
+    sl = mx.array(np.full(num_seqs, context, np.int32))
+    cu = mx.array(np.arange(num_seqs + 1, dtype=np.int32) * new_tokens)
+    q = mx.array(rng.standard_normal((num_seqs * new_tokens, heads, head_dim), np.float32))
+    mx.eval(kc, vc, q)
+    # Causal pairs (row, key) scored: 2 FMAs (QK and PV) x head_dim each.
+    pairs = num_seqs * heads * sum(context - new_tokens + t + 1 for t in range(new_tokens))
+    call = lambda: mx.eval(ops.paged_attention(q, kc, vc, bt, sl, cu, scale=head_dim ** -0.5))  # noqa: E731
+    return call, 4 * pairs * head_dim
+
+
+def tiles(args):
+    ext = ops._ext
+    variant = ext.cpu_attention_variant() if hasattr(ext, "cpu_attention_variant") else "previous build"
+    print(f"# CPU kernel per shape class ({variant}), float32, block {BLOCK}, GFLOP/s = 4 x head_dim"
+          " x causal (row, key) pairs / time")
+    print("| head dim | heads/kv | case | rows per tile | ms/call | GFLOP/s |")
+    print("|---:|---|---|---|---:|---:|")
+    rng = np.random.default_rng(0)
+    rows = []
+    for head_dim in (64, 128, 256):
+        heads, kv_heads = TILE_HEADS[head_dim]
+        for name, seqs, new, ctx in TILE_CASES:
+            call, flops = tile_case(head_dim, seqs, new, ctx, rng)
+            sweep = PREFILL_ROWS if name.startswith("prefill") and hasattr(ext, "set_cpu_tile_override") else (0,)
+            for r in sweep:
+                if hasattr(ext, "set_cpu_tile_override"):
+                    ext.set_cpu_tile_override(r)
+                t = timeit(call, min_time=0.3)
+                label = "table" if r == 0 else str(r)
+                print(f"| {head_dim} | {heads}/{kv_heads} | {name} | {label} | {t * 1e3:.3f} | {flops / t / 1e9:.1f} |")
+                rows.append(dict(head_dim=head_dim, case=name, rows_per_tile=r, ms=t * 1e3,
+                                 GFLOPs=flops / t / 1e9))
+            if hasattr(ext, "set_cpu_tile_override"):
+                ext.set_cpu_tile_override(0)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"variant": variant, "tiles": rows}, f, indent=2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--tiles", action="store_true", help="the CPU tile-table sweep instead")
+    parser.add_argument("--ext", help="path of another _ext build to load (comparisons)")
     args = parser.parse_args()
+    if args.tiles:
+        tiles(args)
+        return
 
     bw = memcpy_bandwidth()
     print(f"# {platform.processor() or platform.machine()}, MLX {mx.__version__} on {mx.default_device()}")

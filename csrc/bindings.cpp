@@ -65,6 +65,13 @@ NB_MODULE(_ext, m) {
       "a"_a,
       "Address of the array's data buffer (for donation checks in tests).");
 
+  m.def("cpu_attention_variant", &vllm_metal::cpu_attention_variant,
+        "The CPU paged-attention kernel variant this machine runs: avx512, avx2 or generic.");
+
+  m.def("set_cpu_tile_override", &vllm_metal::set_cpu_prefill_rows_override, "prefill_rows"_a,
+        "Benchmark hook: rows per tile for prefill-class sequences in the CPU kernel "
+        "(0 restores the shape-class table). Never set while serving.");
+
   // From the headers compiled in, not from the loaded libmlx.
   m.attr("BUILT_AGAINST_MLX") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);

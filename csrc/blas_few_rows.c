@@ -8,7 +8,9 @@
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -44,6 +46,30 @@ static inline void store_out(const FewRowsJob* j, i64 m, i64 n, float dot) {
 __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob* j, i64 n0, i64 n1) {
   const i64 K = j->K, K8 = K & ~(i64)7, M4 = j->M & ~(i64)3;
   i64 n = n0;
+  if (j->M == 1) {
+    /* One row (decode at batch 1): four W rows at a time, four independent
+     * FMA chains; each output's sums are the same as below. */
+    const float* a = j->A;
+    for (; n + 4 <= n1; n += 4) {
+      const float* w0 = j->B + n * j->ldb;
+      const float* w1 = w0 + j->ldb;
+      const float* w2 = w1 + j->ldb;
+      const float* w3 = w2 + j->ldb;
+      __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(),
+             c3 = _mm256_setzero_ps();
+      for (i64 k = 0; k < K8; k += 8) {
+        const __m256 v = _mm256_loadu_ps(a + k);
+        c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
+        c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);
+        c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w2 + k), c2);
+        c3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w3 + k), c3);
+      }
+      float d0 = hsum8(c0), d1 = hsum8(c1), d2 = hsum8(c2), d3 = hsum8(c3);
+      DOT_TAIL(d0, a, w0); DOT_TAIL(d1, a, w1); DOT_TAIL(d2, a, w2); DOT_TAIL(d3, a, w3);
+      store_out(j, 0, n, d0); store_out(j, 0, n + 1, d1);
+      store_out(j, 0, n + 2, d2); store_out(j, 0, n + 3, d3);
+    }
+  }
   for (; n + 2 <= n1; n += 2) {
     const float* w0 = j->B + n * j->ldb;
     const float* w1 = w0 + j->ldb;
@@ -119,6 +145,47 @@ static int pool_threads = 0;  /* total workers incl. the caller; 0: not started 
 static int pool_requested = 0; /* set_threads value; 0: the CPUs this process may use */
 static long pool_generation = 0;
 static int pool_pending = 0;
+/* Mirrors of the two above, read without the lock by the bounded spins. */
+static atomic_long pool_generation_seen = 0;
+static atomic_int pool_pending_seen = 0;
+/* A decode step calls the kernel every few tens of microseconds: a worker
+ * (and a waiting caller) spins this long before sleeping on the condition
+ * variable, so back-to-back calls skip a futex wake-up each. Bounded, so an
+ * idle pool or a busy machine costs at most this per call, never a spinning
+ * core (OpenBLAS's spinning threads collapse when another process wants the
+ * core; measured in docs/benchmarks.md). */
+enum { SPIN_NS = 50000 };
+
+static i64 now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (i64)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+/* Spins until *value != old (1) or SPIN_NS passed (0). */
+static int spin_while_long(atomic_long* value, long old) {
+  const i64 until = now_ns() + SPIN_NS;
+  for (int i = 0;; ++i) {
+    if (atomic_load_explicit(value, memory_order_acquire) != old) return 1;
+    cpu_relax();
+    if ((i & 63) == 63 && now_ns() > until) return 0;
+  }
+}
+
+static int spin_until_zero(atomic_int* value) {
+  const i64 until = now_ns() + SPIN_NS;
+  for (int i = 0;; ++i) {
+    if (atomic_load_explicit(value, memory_order_acquire) == 0) return 1;
+    cpu_relax();
+    if ((i & 63) == 63 && now_ns() > until) return 0;
+  }
+}
 static FewRowsJob pool_job;
 
 static void slice(int w, int workers, i64 N, i64* n0, i64* n1) {
@@ -134,6 +201,7 @@ static void* pool_main(void* arg) {
   const int w = (int)(intptr_t)arg;
   long seen = 0;
   for (;;) {
+    spin_while_long(&pool_generation_seen, seen);
     pthread_mutex_lock(&pool_lock);
     while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
     seen = pool_generation;
@@ -146,6 +214,7 @@ static void* pool_main(void* arg) {
     if (n0 < n1) few_rows_range(&job, n0, n1);
 #endif
     pthread_mutex_lock(&pool_lock);
+    atomic_store_explicit(&pool_pending_seen, pool_pending - 1, memory_order_release);
     if (--pool_pending == 0) pthread_cond_signal(&pool_done);
     pthread_mutex_unlock(&pool_lock);
   }
@@ -186,6 +255,8 @@ static void pool_reset_after_fork(void) {
   pool_threads = 0;
   pool_generation = 0;
   pool_pending = 0;
+  atomic_store(&pool_generation_seen, 0);
+  atomic_store(&pool_pending_seen, 0);
 }
 
 __attribute__((constructor)) static void register_fork_handler(void) {
@@ -232,7 +303,9 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
   if (use_pool) {
     pool_job = job;
     pool_pending = workers - 1;
+    atomic_store_explicit(&pool_pending_seen, pool_pending, memory_order_release);
     ++pool_generation;
+    atomic_store_explicit(&pool_generation_seen, pool_generation, memory_order_release);
     pthread_cond_broadcast(&pool_wake);
   }
   pthread_mutex_unlock(&pool_lock);
@@ -242,6 +315,7 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
   if (n0 < n1) few_rows_range(&job, n0, n1);
 #endif
   if (use_pool) {
+    spin_until_zero(&pool_pending_seen);
     pthread_mutex_lock(&pool_lock);
     while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_lock);
     pthread_mutex_unlock(&pool_lock);

@@ -27,7 +27,9 @@
  * then D^T written to C. The same products, in another order of OpenBLAS's
  * kernels: results agree with the direct call to rounding.
  *
- * Few-row products with a row-major weight, 3 to few_rows_max (8) rows:
+ * Few-row products with a row-major weight, few_rows_min (1) to few_rows_max
+ * (8) rows (checked first, so 1-2-row products of that layout no longer take
+ * the sgemv path above; other layouts still do):
  * C[M,N] = A[M,K] W[N,K]^T, which is how MLX calls x @ w.T (A not
  * transposed, B transposed with its rows contiguous). Both orders of
  * OpenBLAS's sgemm pack W before multiplying and stream it at 3-15 GB/s, a
@@ -37,7 +39,10 @@
  * (which stay in cache), the columns split over a small pool of threads
  * (one per core, the caller included; set_threads). Each output is one dot
  * product of 8-lane partial sums in a fixed order, so it does not depend on
- * the threads or on the other rows of the call.
+ * the threads or on the other rows of the call. One and two rows used to go
+ * to OpenBLAS's sgemv (its two threads): as fast on a quiet machine, but its
+ * spinning threads collapse (10x slower steps, measured) as soon as another
+ * process wants a core, which a server always has (API server, client).
  */
 #include <dlfcn.h>
 #include <stdatomic.h>
@@ -67,6 +72,7 @@ static cgemm64_fn p_cgemm;
 static sgemv64_fn p_sgemv;
 static char target_name[64];
 static atomic_int gemv_max_rows = 2;
+static atomic_int few_rows_min = 1;
 static atomic_int transpose_max_rows = 32;
 enum { TRANSPOSE_MIN_COLS = 64 };
 static atomic_int few_rows_max = 8;
@@ -130,6 +136,10 @@ EXPORT int vllm_metal_blas_shim_set_transpose_max_rows(int rows) {
 /* A row-major x[M,K] @ W[N,K]^T with 3..rows rows (8 by default) runs the
  * few-row kernel where the CPU has AVX2 and FMA; 0: never. Returns the
  * previous value. */
+EXPORT int vllm_metal_blas_shim_set_few_rows_min(int rows) {
+  return atomic_exchange(&few_rows_min, rows < 1 ? 1 : rows);
+}
+
 EXPORT int vllm_metal_blas_shim_set_few_rows_max(int rows) {
   return atomic_exchange(&few_rows_max, rows < 0 ? 0 : rows);
 }
@@ -228,7 +238,8 @@ static int sgemm_transposed(int ta, int tb, i64 M, i64 N, i64 K, float alpha, co
 static int sgemm_few_rows(int ta, int tb, i64 M, i64 N, i64 K, float alpha, const float* A,
                           i64 lda, const float* B, i64 ldb, float beta, float* C, i64 ldc) {
   int max_rows = atomic_load_explicit(&few_rows_max, memory_order_relaxed);
-  if (ta != NO_TRANS || tb != TRANS || M < 3 || M > max_rows || N < 2 || K < 8) return 0;
+  int min_rows = atomic_load_explicit(&few_rows_min, memory_order_relaxed);
+  if (ta != NO_TRANS || tb != TRANS || M < min_rows || M > max_rows || N < 2 || K < 8) return 0;
   if (!few_rows_cpu_supported()) return 0;
   few_rows_sgemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   return 1;
@@ -242,15 +253,15 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float al
   if (tb == CONJ_TRANS) tb = TRANS;
   /* Column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T. */
   int row = order == ROW_MAJOR;
+  if (row ? sgemm_few_rows(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+          : (order == COL_MAJOR && sgemm_few_rows(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc))) {
+    atomic_fetch_add_explicit(&n_few_rows, 1, memory_order_relaxed);
+    return;
+  }
   if ((order == ROW_MAJOR || order == COL_MAJOR) &&
       (row ? sgemm_as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
            : sgemm_as_gemv(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc))) {
     atomic_fetch_add_explicit(&n_sgemv, 1, memory_order_relaxed);
-    return;
-  }
-  if (row ? sgemm_few_rows(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
-          : (order == COL_MAJOR && sgemm_few_rows(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc))) {
-    atomic_fetch_add_explicit(&n_few_rows, 1, memory_order_relaxed);
     return;
   }
   if (row && sgemm_transposed(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {

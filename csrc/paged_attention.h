@@ -14,6 +14,8 @@
 // lets latent attention (MLA) pass one cache as both key_cache and value_cache).
 #pragma once
 
+#include <string>
+
 #include <optional>
 
 #include "mlx/array.h"
@@ -96,5 +98,13 @@ class PagedAttention : public mx::UnaryPrimitive {
  private:
   PagedAttentionParams params_;
 };
+
+// The CPU kernel variant this machine runs ("avx512", "avx2" or "generic"),
+// chosen once from the instruction sets it supports.
+std::string cpu_attention_variant();
+
+// Benchmark hook: rows per tile for prefill-class sequences on the CPU (0:
+// the table in cpu/paged_attention_tiles.h). Never set while serving.
+void set_cpu_prefill_rows_override(int rows);
 
 } // namespace vllm_metal

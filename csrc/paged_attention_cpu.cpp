@@ -11,6 +11,7 @@
 #include "mlx/stream.h"
 
 #include "cpu/paged_attention_kernel.h"
+#include "cpu/paged_attention_tiles.h"
 #include "paged_attention.h"
 
 namespace vllm_metal {
@@ -76,16 +77,41 @@ void validate_batch(const Geometry& g, const std::vector<int>& seq_lens,
 
 } // namespace
 
+int& cpu::prefill_rows_override() {
+  static int rows = 0;
+  return rows;
+}
+
+void set_cpu_prefill_rows_override(int rows) {
+  cpu::prefill_rows_override() = rows > 0 ? rows : 0;
+}
+
 // The fastest variant this CPU can run, chosen once.
 void (*select_kernel())(const KernelArgs&) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return cpu::paged_attention_avx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
     return cpu::paged_attention_avx2;
   }
 #endif
   return cpu::paged_attention_generic;
+}
+
+std::string cpu_attention_variant() {
+  const auto k = select_kernel();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (k == cpu::paged_attention_avx512) return "avx512";
+  if (k == cpu::paged_attention_avx2) return "avx2";
+#endif
+  (void)k;
+  return "generic";
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

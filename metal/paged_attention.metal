@@ -16,29 +16,40 @@
 // vllm_metal::kernel_name in paged_attention_plan.h. Tiers 32..256 serve key
 // and value head dims up to their size with (tier / 32) dims per lane; the
 // large tier 576 serves keys up to 576 and values up to 512 (18 and 16 dims
-// per lane) with its own prefill tiling (paged_attention_tuning.h).
-#define instantiate_tier(tname, type, tier, dpl_k, dpl_v, sg, rows, keys)                    \
+// per lane) with its own prefill tiling (paged_attention_tuning.h). Decode
+// comes per head (kind "decode") and grouped (kind "decode_gqa<width>": up
+// to `width` query heads of one KV head per threadgroup, the tier's width in
+// paged_attention_tuning.h).
+#define instantiate_tier(tname, type, tier, dpl_k, dpl_v, heads, sg, rows, keys)              \
   instantiate_kernel("paged_attention_decode_" #tname "_d" #tier, paged_attention_decode,     \
-                     type, dpl_k, dpl_v)                                                       \
+                     type, dpl_k, dpl_v, 1)                                                    \
+  instantiate_kernel("paged_attention_decode_gqa" #heads "_" #tname "_d" #tier,               \
+                     paged_attention_decode, type, dpl_k, dpl_v, heads)                        \
   instantiate_kernel("paged_attention_prefill_" #tname "_d" #tier, paged_attention_prefill,   \
                      type, dpl_k, dpl_v, sg, rows, keys)                                       \
   instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce,     \
                      type, dpl_v)
 
-#define instantiate_small_tier(tname, type, tier, dpl)                            \
-  instantiate_tier(tname, type, tier, dpl, dpl, vllm_metal::kPrefillSimdgroups,   \
-                   vllm_metal::kPrefillRowsPerSimdgroup,                          \
+// (The grouped widths are spelled as numbers, for the kernel names; the
+// static_asserts below hold them to the tuning enums.)
+#define instantiate_small_tier(tname, type, tier, dpl, heads)                            \
+  instantiate_tier(tname, type, tier, dpl, dpl, heads, vllm_metal::kPrefillSimdgroups,   \
+                   vllm_metal::kPrefillRowsPerSimdgroup,                                 \
                    vllm_metal::kPrefillKvTileFloats / (tier))
 
 #define instantiate_dtype(tname, type)                                                   \
-  instantiate_small_tier(tname, type, 32, 1)                                             \
-  instantiate_small_tier(tname, type, 64, 2)                                             \
-  instantiate_small_tier(tname, type, 128, 4)                                            \
-  instantiate_small_tier(tname, type, 256, 8)                                            \
+  instantiate_small_tier(tname, type, 32, 1, 8)                                          \
+  instantiate_small_tier(tname, type, 64, 2, 8)                                          \
+  instantiate_small_tier(tname, type, 128, 4, 8)                                         \
+  instantiate_small_tier(tname, type, 256, 8, 4)                                         \
   instantiate_tier(tname, type, 576, vllm_metal::kLargeKeyDimsPerLane,                   \
-                   vllm_metal::kLargeValueDimsPerLane, vllm_metal::kPrefillLargeSimdgroups, \
+                   vllm_metal::kLargeValueDimsPerLane, 2, vllm_metal::kPrefillLargeSimdgroups, \
                    vllm_metal::kPrefillLargeRowsPerSimdgroup,                            \
                    vllm_metal::kPrefillLargeKvTileKeys)
+
+static_assert(vllm_metal::kDecodeGroupHeadsSmall == 8 && vllm_metal::kDecodeGroupHeads256 == 4 &&
+                  vllm_metal::kDecodeGroupHeadsLarge == 2,
+              "the grouped decode widths in the kernel names below follow the tuning enums");
 
 instantiate_dtype(float32, float)
 instantiate_dtype(float16, half)

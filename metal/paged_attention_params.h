@@ -59,9 +59,15 @@ struct PagedAttentionArgs {
   float scale;
   float softcap;  // <= 0: off
   int has_sinks;  // 1: sinks[head] joins each row's softmax denominator
+  // Decode only: decode_chunks threadgroups per KV head (and token) share
+  // its `group` query heads, chunk c taking heads [c * group / decode_chunks,
+  // (c + 1) * group / decode_chunks) of the group: decode_heads or one fewer
+  // (decode_heads: the most, 1 for the per-head kernel).
+  int decode_heads;
+  int decode_chunks;
 };
 
-static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 16 * 4,
+static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 18 * 4,
               "PagedAttentionArgs must have no padding (host/MSL layout)");
 
 } // namespace vllm_metal

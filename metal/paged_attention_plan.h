@@ -27,8 +27,14 @@ struct KernelLaunch {
 // sequence can have kPrefillMinTokensPerSeq new tokens). Which rows each
 // kernel writes is decided on the GPU, per row (is_prefill_row in the
 // kernels), because the host does not know the batch's lengths when encoding.
+// The decode launch follows the row of kDecodeShapeTable for the call's shape
+// class (paged_attention_tuning.h).
 struct PagedAttentionPlan {
   PagedAttentionArgs args;
+  HeadDimClass dims_class;
+  QueryClass query_class;
+  BatchClass batch_class;
+  int table_row;  // index into kDecodeShapeTable
   KernelLaunch decode;
   bool has_reduce;  // partitioned: decode writes partials, reduce writes rows
   KernelLaunch reduce;
@@ -69,14 +75,42 @@ inline std::string kernel_name(const char* kind, const std::string& dtype_name, 
       std::to_string(head_dim_tier(head_dim, v_head_dim));
 }
 
-// Test hook: a partition size to force instead of the tuned one (0: tuned).
+// Grouped decode kernels: kind "decode_gqa<width>" (paged_attention.metal).
+inline std::string decode_kind(int heads_per_threadgroup) {
+  return heads_per_threadgroup <= 1 ? std::string("decode")
+                                    : "decode_gqa" + std::to_string(heads_per_threadgroup);
+}
+
+// The shape classes of one call (see the table in paged_attention_tuning.h).
+inline HeadDimClass head_dim_class(int tier) {
+  return tier <= 4 * kSimdWidth ? kDimsUpTo128 : tier <= 8 * kSimdWidth ? kDims256 : kDimsLarge;
+}
+
+inline QueryClass query_class(int num_tokens, int num_seqs) {
+  if (num_tokens <= num_seqs) {
+    return kQueryDecode;
+  }
+  const int64_t prefill_tokens = int64_t(kPrefillMinTokensPerSeq) * num_seqs;
+  return num_tokens >= prefill_tokens ? kQueryPrefill : kQueryShort;
+}
+
+inline BatchClass batch_class(int num_tokens, int num_kv_heads) {
+  return int64_t(num_tokens) * num_kv_heads >= kLargeBatchKvRows ? kBatchLarge : kBatchSmall;
+}
+
+// Test hooks (0: what the table says): a partition size to force; the most
+// heads per decode threadgroup (1: the per-head kernel; else the tier's
+// grouped width, also for a group of 1); decode simdgroups
+// (1..kDecodeMaxSimdgroups).
 struct PlanOverrides {
   int partition_size = 0;
+  int decode_heads = 0;
+  int decode_simdgroups = 0;
 };
 
 // `args` arrives with shapes, strides and parameters filled in (v_head_dim
-// and has_sinks too); the plan completes it (group, partitions). out_bytes:
-// size of the output array.
+// and has_sinks too); the plan completes it (group, decode heads and chunks,
+// partitions). out_bytes: size of the output array.
 inline PagedAttentionPlan plan_paged_attention(
     PagedAttentionArgs args,
     const std::string& dtype_name,
@@ -94,26 +128,58 @@ inline PagedAttentionPlan plan_paged_attention(
   const auto u32 = [](int64_t x) { return static_cast<uint32_t>(x); };
 
   PagedAttentionPlan plan{};
+  plan.dims_class = head_dim_class(tier);
+  plan.query_class = query_class(args.num_tokens, args.num_seqs);
+  plan.batch_class = batch_class(args.num_tokens, args.num_kv_heads);
+  plan.table_row = decode_shape_row(plan.dims_class, plan.query_class, plan.batch_class);
+  const DecodeShapeConfig& config = kDecodeShapeTable[plan.table_row];
+
+  // Heads per decode threadgroup: the row's width, the group split into
+  // ceil(group / width) chunks whose sizes differ by at most one; a group of
+  // 1 runs the per-head kernel.
+  const int width = overrides.decode_heads > 0 ? overrides.decode_heads
+      : args.group > 1                   ? config.decode_heads
+                                         : 1;
+  if (width != 1 && width != decode_group_heads(plan.dims_class)) {
+    throw std::invalid_argument("[paged_attention] no decode kernel for " +
+                                std::to_string(width) + " heads per threadgroup at this tier");
+  }
+  const int simdgroups =
+      overrides.decode_simdgroups > 0 ? overrides.decode_simdgroups : config.decode_simdgroups;
+  if (simdgroups < 1 || simdgroups > kDecodeMaxSimdgroups) {
+    throw std::invalid_argument("[paged_attention] decode simdgroups outside 1..8");
+  }
+  const int group = std::max(args.group, 1);
+  args.decode_chunks = (group + width - 1) / width;
+  args.decode_heads = (group + args.decode_chunks - 1) / args.decode_chunks;  // <= width
+  const int64_t decode_threadgroups =
+      int64_t(args.num_tokens) * args.num_kv_heads * args.decode_chunks;
+
   args.num_partitions = 1;
   args.partition_size = static_cast<int>(std::min<int64_t>(capacity, INT32_MAX));
 
-  // Split keys only when rows alone leave the GPU short of threadgroups.
+  // Split keys only when the decode grid alone leaves the GPU short of
+  // threadgroups (and the row allows it).
   int64_t parts = 1;
   int64_t size = capacity;
   if (overrides.partition_size > 0) {
     size = overrides.partition_size;
     parts = std::max<int64_t>(1, (capacity + size - 1) / size);
-  } else if (rows > 0 && rows < kPartitionTargetThreadgroups && capacity > kPartitionMinKeys) {
-    const int64_t wanted = (kPartitionTargetThreadgroups + rows - 1) / rows;
+  } else if (config.partition && decode_threadgroups > 0 &&
+             decode_threadgroups < kPartitionTargetThreadgroups && capacity > kPartitionMinKeys) {
+    const int64_t wanted =
+        (kPartitionTargetThreadgroups + decode_threadgroups - 1) / decode_threadgroups;
     const int64_t most = (capacity + kPartitionMinKeys - 1) / kPartitionMinKeys;
     parts = std::min(wanted, most);
     size = (capacity + parts - 1) / parts;
     size = (size + kSimdWidth - 1) / kSimdWidth * kSimdWidth;
     parts = (capacity + size - 1) / size;
   }
-  plan.decode = {kernel_name("decode", dtype_name, args.head_dim, args.v_head_dim),
-                 {u32(args.num_heads), u32(args.num_tokens), u32(parts)},
-                 u32(kDecodeSimdgroups * kSimdWidth)};
+  plan.decode = {kernel_name(decode_kind(width).c_str(), dtype_name, args.head_dim,
+                             args.v_head_dim),
+                 {u32(int64_t(args.num_kv_heads) * args.decode_chunks), u32(args.num_tokens),
+                  u32(parts)},
+                 u32(simdgroups * kSimdWidth)};
   plan.has_reduce = parts > 1;
   if (plan.has_reduce) {
     args.num_partitions = static_cast<int>(parts);
@@ -126,10 +192,11 @@ inline PagedAttentionPlan plan_paged_attention(
   if (plan.has_prefill) {
     const int64_t tiles =
         (int64_t(args.num_tokens) + kPrefillTokensPerTile - 1) / kPrefillTokensPerTile;
-    const int simdgroups = tier == kLargeTier ? kPrefillLargeSimdgroups : kPrefillSimdgroups;
+    const int prefill_simdgroups =
+        tier == kLargeTier ? kPrefillLargeSimdgroups : kPrefillSimdgroups;
     plan.prefill = {kernel_name("prefill", dtype_name, args.head_dim, args.v_head_dim),
                     {u32(tiles), u32(args.num_heads), 1},
-                    u32(simdgroups * kSimdWidth)};
+                    u32(prefill_simdgroups * kSimdWidth)};
   }
 
   plan.partials_offset = (out_bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;

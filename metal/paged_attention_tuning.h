@@ -1,10 +1,14 @@
-// Launch sizes of the paged-attention kernels, per regime: the one table to
-// edit when tuning on Apple hardware. Shared by the host plan and the MSL
-// kernels (enums, so the same text is valid C++ and MSL).
+// Launch sizes of the paged-attention kernels, per regime and shape class: the
+// one place to edit when tuning on Apple hardware. The enums are shared by the
+// host plan and the MSL kernels (the same text is valid C++ and MSL); the
+// shape-class table at the end is host-only (paged_attention_plan.h reads it).
 //
 //   regime            threadgroup            one threadgroup computes
-//   decode            8 simdgroups (256)     1 query row (token, head), or one
-//                                            key partition of it
+//   decode, grouped   4 or 8 simdgroups      1 token x the query heads of one
+//                     (the table below)      KV head (up to kDecodeGroupHeads*
+//                                            of them), or one key partition
+//   decode, per head  4 or 8 simdgroups      1 query row (token, head), or one
+//                                            key partition of it (group 1)
 //   decode reduce     1 simdgroup  (32)      1 query row: merges its partitions
 //   prefill           4 simdgroups (128)     16 consecutive tokens x 1 head
 //   prefill, large    8 simdgroups (256)     16 consecutive tokens x 1 head
@@ -15,16 +19,29 @@
 // batch (chunked prefill next to decodes) runs both, each on its own rows.
 //
 // Why these numbers (first choices, not yet measured on a Mac):
-// - Decode reads each key once per row: a simdgroup takes every 8th key with
-//   one lane per head dimension (coalesced K/V reads, one simd_sum per key,
-//   the layout of MLX's sdpa_vector). 8 simdgroups keep a few hundred keys in
-//   flight per row while the final merge of 8 softmax states stays cheap.
-// - Long contexts with few rows would leave most of the GPU idle, so decode
-//   splits keys into partitions of at least kPartitionMinKeys (>= 64 keys per
-//   simdgroup, amortising the merge), aiming at kPartitionTargetThreadgroups
-//   threadgroups in flight (a dozen per core on the largest Apple GPUs). This
-//   also bounds the partial-result scratch to about
-//   2 * kPartitionTargetThreadgroups * (v_head_dim + 2) floats (~4 MiB at 512).
+// - Decode reads each key once per threadgroup: a simdgroup takes every
+//   n-th key (n simdgroups) with one lane per head dimension (coalesced K/V
+//   reads, one simd_sum per key and query head, the layout of MLX's
+//   sdpa_vector). With GQA the threadgroup serves every query head of its KV
+//   head (all `group` heads, or a chunk of them: see the grouped widths), so
+//   each key and value row is read once per KV head instead of once per
+//   query head; decode is bound by those reads.
+// - Grouped widths: each lane keeps, per query head of the chunk, its q slice
+//   and accumulator (DPL_K + DPL_V floats). The widths keep that near 64
+//   floats per lane, as the prefill tiles do at 256 and the large tier
+//   (8 x (4 + 4) at d128, 4 x (8 + 8) at d256, 2 x (18 + 16) at the large
+//   tier), so a lane's registers stay within what the per-head kernel and
+//   prefill already use. A larger group is split into equal chunks
+//   (ceil(group / width) of them, sizes differing by at most one), each read
+//   of K/V then serving a chunk; the common groups (4, 5, 7, 8: 32/8, 40/8,
+//   28/4, 64/8 heads) stay one chunk at d <= 128.
+// - Long contexts with few threadgroups would leave most of the GPU idle, so
+//   decode splits keys into partitions of at least kPartitionMinKeys (>= 64
+//   keys per simdgroup, amortising the merge), aiming at
+//   kPartitionTargetThreadgroups threadgroups in flight (a dozen per core on
+//   the largest Apple GPUs). The scratch holds a state per query row and
+//   partition: at most about 2 * kPartitionTargetThreadgroups * heads per
+//   threadgroup * (v_head_dim + 2) floats (~8 MiB at each tier's width).
 // - Prefill stages a tile of K and V (kPrefillKvTileFloats floats each,
 //   16 KiB together, leaving room for two threadgroups per core) and reuses it
 //   for all 16 tokens of the tile, so the cache is read once per 16 tokens.
@@ -45,7 +62,15 @@ namespace vllm_metal {
 enum PagedAttentionTuning : int {
   kSimdWidth = 32,  // Apple GPUs; the host checks the pipeline agrees
 
-  kDecodeSimdgroups = 8,
+  // Decode runs 1..kDecodeMaxSimdgroups simdgroups per threadgroup (the
+  // table's choice, read by the kernel from simdgroups_per_threadgroup; its
+  // threadgroup arrays are sized for the most).
+  kDecodeMaxSimdgroups = 8,
+  // Grouped decode: the most query heads one threadgroup computes, per
+  // head-dim tier (each width is one instantiation per dtype and tier).
+  kDecodeGroupHeadsSmall = 8,  // tiers 32, 64, 128
+  kDecodeGroupHeads256 = 4,    // tier 256
+  kDecodeGroupHeadsLarge = 2,  // the large tier
   kPartitionMinKeys = 512,
   kPartitionTargetThreadgroups = 1024,
   kReduceSimdgroups = 1,
@@ -62,6 +87,135 @@ enum PagedAttentionTuning : int {
   kPrefillLargeSimdgroups = 8,
   kPrefillLargeRowsPerSimdgroup = 2,
   kPrefillLargeKvTileKeys = 6,
+
+  // Shape classes (host-only table below). Batch: "large" once the batch has
+  // this many (token, KV head) pairs, i.e. decode threadgroups before any
+  // key split (half the partition target: splitting keys could at most
+  // double the grid, not worth a scratch pass).
+  kLargeBatchKvRows = kPartitionTargetThreadgroups / 2,
 };
+
+#ifndef __METAL_VERSION__
+// ---- Host only: the shape-class table -------------------------------------
+//
+// One row per (head-dim class, query-length class, batch class); the plan
+// classifies a call from its static shapes (the host does not know the
+// per-sequence lengths: they are lazy arrays) and launches the decode kernel
+// the row names. Classes are launch-size hints only: every kernel handles any
+// row it owns correctly, whatever the class.
+//
+//   head-dim class   the tier: 32..128 | 256 | large (576)
+//   query class      decode:  num_tokens <= num_seqs (one new token each)
+//                    short:   fewer than kPrefillMinTokensPerSeq new tokens
+//                             per sequence on average (speculative decode,
+//                             a short chunk next to decodes)
+//                    prefill: at least that many (most rows are prefill's)
+//   batch class      small:   num_tokens * num_kv_heads < kLargeBatchKvRows
+//                    large:   otherwise
+//
+// Columns: decode_heads, the most query heads (of one KV head) a decode
+// threadgroup computes: 1 runs the per-head kernel, otherwise the tier's
+// grouped width (the only other instantiation); a group of 1 always runs the
+// per-head kernel. decode_simdgroups: threads / 32 of a decode threadgroup.
+// partition: whether decode may split keys (see above) when the grid is short
+// of threadgroups. Prefill has one tile configuration per tier (its template
+// arguments, the enums above); the table does not vary it.
+//
+// Reasons of the rows (first choices, not measured on a Mac):
+// - Every row groups heads (decode_heads = the tier's width): decode is bound
+//   by K/V reads and grouping divides them by the chunk size; nothing argues
+//   for re-reading K/V per query head in any class.
+// - decode/short, small batch: 8 simdgroups and partitions. Few threadgroups
+//   (grouping made them fewer still), so each keeps many keys in flight and
+//   long contexts split keys until the GPU is full.
+// - decode/short, large batch: 4 simdgroups, no partitions. The grid alone
+//   fills the GPU; smaller threadgroups halve the merge each one ends with and
+//   let more of them share a core.
+// - prefill, any batch: 4 simdgroups. Most decode threadgroups belong to
+//   prefill rows and return after one lookup, so they should be cheap to
+//   launch; the decode rows of a mixed batch are a few. Partitions stay
+//   allowed in small batches (a decode with a long context next to a short
+//   chunk).
+// - The rows per head-dim class are the same apart from the grouped width,
+//   which follows registers (above); they are separate rows so that tuning
+//   can make them differ.
+enum HeadDimClass : int { kDimsUpTo128 = 0, kDims256 = 1, kDimsLarge = 2 };
+enum QueryClass : int { kQueryDecode = 0, kQueryShort = 1, kQueryPrefill = 2 };
+enum BatchClass : int { kBatchSmall = 0, kBatchLarge = 1 };
+
+struct DecodeShapeConfig {
+  HeadDimClass dims;
+  QueryClass queries;
+  BatchClass batch;
+  int decode_heads;
+  int decode_simdgroups;
+  bool partition;
+};
+
+inline constexpr DecodeShapeConfig kDecodeShapeTable[] = {
+    // dims        queries        batch        decode_heads           sg  partition
+    {kDimsUpTo128, kQueryDecode,  kBatchSmall, kDecodeGroupHeadsSmall, 8, true},
+    {kDimsUpTo128, kQueryDecode,  kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
+    {kDimsUpTo128, kQueryShort,   kBatchSmall, kDecodeGroupHeadsSmall, 8, true},
+    {kDimsUpTo128, kQueryShort,   kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
+    {kDimsUpTo128, kQueryPrefill, kBatchSmall, kDecodeGroupHeadsSmall, 4, true},
+    {kDimsUpTo128, kQueryPrefill, kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
+    {kDims256,     kQueryDecode,  kBatchSmall, kDecodeGroupHeads256,   8, true},
+    {kDims256,     kQueryDecode,  kBatchLarge, kDecodeGroupHeads256,   4, false},
+    {kDims256,     kQueryShort,   kBatchSmall, kDecodeGroupHeads256,   8, true},
+    {kDims256,     kQueryShort,   kBatchLarge, kDecodeGroupHeads256,   4, false},
+    {kDims256,     kQueryPrefill, kBatchSmall, kDecodeGroupHeads256,   4, true},
+    {kDims256,     kQueryPrefill, kBatchLarge, kDecodeGroupHeads256,   4, false},
+    {kDimsLarge,   kQueryDecode,  kBatchSmall, kDecodeGroupHeadsLarge, 8, true},
+    {kDimsLarge,   kQueryDecode,  kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
+    {kDimsLarge,   kQueryShort,   kBatchSmall, kDecodeGroupHeadsLarge, 8, true},
+    {kDimsLarge,   kQueryShort,   kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
+    {kDimsLarge,   kQueryPrefill, kBatchSmall, kDecodeGroupHeadsLarge, 4, true},
+    {kDimsLarge,   kQueryPrefill, kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
+};
+
+inline constexpr int kDecodeShapeTableRows =
+    int(sizeof(kDecodeShapeTable) / sizeof(kDecodeShapeTable[0]));
+
+// The grouped width instantiated for a head-dim class.
+constexpr int decode_group_heads(HeadDimClass dims) {
+  return dims == kDimsUpTo128 ? int(kDecodeGroupHeadsSmall)
+      : dims == kDims256       ? int(kDecodeGroupHeads256)
+                               : int(kDecodeGroupHeadsLarge);
+}
+
+// Index of the row for a class, -1 if none.
+constexpr int decode_shape_row(HeadDimClass dims, QueryClass queries, BatchClass batch) {
+  for (int i = 0; i < kDecodeShapeTableRows; ++i) {
+    const DecodeShapeConfig& r = kDecodeShapeTable[i];
+    if (r.dims == dims && r.queries == queries && r.batch == batch) {
+      return i;
+    }
+  }
+  return -1;
+}
+
+// Every class has exactly one row, and each row names what is instantiated.
+constexpr bool decode_shape_table_is_valid() {
+  if (kDecodeShapeTableRows != 3 * 3 * 2) {
+    return false;
+  }
+  for (int i = 0; i < kDecodeShapeTableRows; ++i) {
+    const DecodeShapeConfig& r = kDecodeShapeTable[i];
+    if (decode_shape_row(r.dims, r.queries, r.batch) != i) {
+      return false;  // a duplicate key
+    }
+    if (r.decode_heads != 1 && r.decode_heads != decode_group_heads(r.dims)) {
+      return false;  // no kernel for that width
+    }
+    if (r.decode_simdgroups < 1 || r.decode_simdgroups > kDecodeMaxSimdgroups) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(decode_shape_table_is_valid(),
+              "kDecodeShapeTable: one row per class, instantiated widths, 1..8 simdgroups");
+#endif  // __METAL_VERSION__
 
 } // namespace vllm_metal

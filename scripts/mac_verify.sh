@@ -86,38 +86,60 @@ import numpy as np
 
 from vllm_metal import ops
 
-def batch(num_seqs, context, new, heads=32, kv_heads=8, head_dim=128, block=16):
+def batch(num_seqs, context, new, heads=32, kv_heads=8, head_dim=128, v_head_dim=None,
+          block=16):
+    """float16 inputs; v_head_dim: a latent (MLA) cache, values = its rows' first entries."""
     rng = np.random.default_rng(0)
     blocks = (context + block - 1) // block
     num_blocks = num_seqs * blocks
     q = mx.array(rng.standard_normal((num_seqs * new, heads, head_dim)), dtype=mx.float16)
     k = mx.array(rng.standard_normal((num_blocks, block, kv_heads, head_dim)), dtype=mx.float16)
-    v = mx.array(rng.standard_normal((num_blocks, block, kv_heads, head_dim)), dtype=mx.float16)
+    v = k if v_head_dim else mx.array(rng.standard_normal((num_blocks, block, kv_heads, head_dim)),
+                                      dtype=mx.float16)
     bt = mx.array(rng.permutation(num_blocks).reshape(num_seqs, blocks).astype(np.int32))
     sl = mx.array(np.full(num_seqs, context, np.int32))
     cu = mx.array(np.arange(num_seqs + 1, dtype=np.int32) * new)
-    return q, k, v, bt, sl, cu
+    extra = {"v_head_dim": v_head_dim} if v_head_dim else {}
+    return (q, k, v, bt, sl, cu), extra
 
-def timed(fn, args, repeat=20):
-    mx.eval(fn(*args, scale=0.088, stream=mx.gpu))
+def timed(fn, args, extra, repeat=20):
+    mx.eval(fn(*args, scale=0.088, stream=mx.gpu, **extra))
     start = time.perf_counter()
     for _ in range(repeat):
-        mx.eval(fn(*args, scale=0.088, stream=mx.gpu))
+        mx.eval(fn(*args, scale=0.088, stream=mx.gpu, **extra))
     return (time.perf_counter() - start) / repeat * 1e3
 
-print(f"{'batch (float16, 32 q / 8 kv heads, d=128)':46} {'metal ms':>9} {'reference ms':>13}")
-for name, shape in [("decode: 1 seq x 4096 ctx", (1, 4096, 1)),
-                    ("decode: 64 seqs x 1024 ctx", (64, 1024, 1)),
-                    ("decode: 256 seqs x 512 ctx", (256, 512, 1)),
-                    ("prefill: 1 seq x 1024 tokens", (1, 1024, 1024)),
-                    ("prefill: 4 seqs x 512 tokens", (4, 512, 512))]:
-    args = batch(*shape)
-    metal = timed(ops.paged_attention, args)
+# "class": the row of the shape-class table (metal/paged_attention_tuning.h)
+# the plan picks (head-dim class, query class / batch class), and how decode
+# runs: "N heads/tg" = grouped decode, one threadgroup per KV head computing
+# its N query heads from one read of K/V ("x C": the group in C chunks);
+# "per head" = one threadgroup, and one read of K/V, per query head.
+print(f"{'batch (float16; default 32 q / 8 kv heads, d=128)':54} {'class':34} {'metal ms':>9} "
+      f"{'reference ms':>13}")
+for name, klass, shape, kw in [
+        ("decode: 1 seq x 4096 ctx", "d128 decode/small, 4 heads/tg", (1, 4096, 1), {}),
+        ("decode: 64 seqs x 1024 ctx", "d128 decode/large, 4 heads/tg", (64, 1024, 1), {}),
+        ("decode: 256 seqs x 512 ctx", "d128 decode/large, 4 heads/tg", (256, 512, 1), {}),
+        ("decode: 32 seqs x 2048 ctx, 64 q / 8 kv heads", "d128 decode/small, 8 heads/tg",
+         (32, 2048, 1), dict(heads=64)),
+        ("decode: 32 seqs x 2048 ctx, 32 q / 32 kv heads", "d128 decode/large, per head",
+         (32, 2048, 1), dict(kv_heads=32)),
+        ("decode: 16 seqs x 2048 ctx, d=256, 16 q / 4 kv", "d256 decode/small, 4 heads/tg",
+         (16, 2048, 1), dict(heads=16, kv_heads=4, head_dim=256)),
+        ("decode: 16 seqs x 2048 ctx, MLA 576/512, 16 q / 1 kv",
+         "large decode/small, 2 heads/tg x 8",
+         (16, 2048, 1), dict(heads=16, kv_heads=1, head_dim=576, v_head_dim=512)),
+        ("spec decode: 8 seqs x 1024 ctx x 4 tokens", "d128 short/small, 4 heads/tg",
+         (8, 1024, 4), {}),
+        ("prefill: 1 seq x 1024 tokens", "d128 prefill/large", (1, 1024, 1024), {}),
+        ("prefill: 4 seqs x 512 tokens", "d128 prefill/large", (4, 512, 512), {})]:
+    args, extra = batch(*shape, **kw)
+    metal = timed(ops.paged_attention, args, extra)
     try:
-        ref = f"{timed(ops.paged_attention_reference, args, repeat=3):13.2f}"
+        ref = f"{timed(ops.paged_attention_reference, args, extra, repeat=3):13.2f}"
     except Exception as e:  # the reference gathers whole contexts: may not fit
         ref = f"{type(e).__name__:>13}"
-    print(f"{name:46} {metal:9.2f} {ref}")
+    print(f"{name:54} {klass:34} {metal:9.2f} {ref}")
 EOF
 
 step "gated-delta kernel timings (our Metal kernel vs mlx-lm's)" gated_delta.log \

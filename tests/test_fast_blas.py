@@ -47,16 +47,18 @@ def test_shim_is_bound():
     assert "shim" in fast_blas.status[1] and fast_blas.SHIM_NAME in fast_blas.summary()
     maps = open("/proc/self/maps").read()
     assert shim in maps and fast_blas.libraries["gemm"] in maps
-    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows times
-    # a weight through the few-row kernel (where the CPU has it), 40 as sgemm.
+    # MLX's own matmuls arrive in the shim: one and four rows times a weight
+    # through the few-row kernel (where the CPU has it; else one row as
+    # sgemv), a vector times a matrix (x @ w, w not transposed) as sgemv, 40
+    # rows as sgemm.
     before = fast_blas.shim_calls()
     w = mx.ones((32, 16))
-    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T)
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((1, 32)) @ w, mx.ones((40, 16)) @ w.T)
     after = fast_blas.shim_calls()
-    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1
     few = int(fast_blas.few_rows_supported())
-    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + few
-    assert after["sgemm"] == before["sgemm"] + 2 - few
+    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1 + (1 - few)
+    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + 2 * few
+    assert after["sgemm"] == before["sgemm"] + 1 + (1 - few)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 300])
@@ -165,11 +167,12 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     assert np.all(np.isnan(pad)), "wrote outside C"
     # The rule is the row-major one; a column-major C[m,n] is a row-major C^T[n,m].
     rows, cols = (m, n) if order == ROW_MAJOR else (n, m)
-    as_gemv = gemv and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
-    # x[M,K] @ W[N,K]^T in the row-major view, 3..8 rows, K >= 8: the few-row kernel (AVX2 CPUs).
+    # x[M,K] @ W[N,K]^T in the row-major view, 1..8 rows, K >= 8: the few-row kernel (AVX2
+    # CPUs), tried first; then 1-2-row (or one-column) products as sgemv.
     row_ta, row_tb = (ta, tb) if order == ROW_MAJOR else (tb, ta)
-    few = (gemv and not as_gemv and fast_blas.few_rows_supported() and row_ta == NO_TRANS and row_tb == TRANS
-           and 3 <= rows <= 8 and cols >= 2 and k >= 8)
+    few = (gemv and fast_blas.few_rows_supported() and row_ta == NO_TRANS and row_tb == TRANS
+           and 1 <= rows <= 8 and cols >= 2 and k >= 8)
+    as_gemv = gemv and not few and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
     # Row-major only: 3..32 rows and >= 64 columns are computed as the transpose.
     transposed = gemv and not as_gemv and not few and order == ROW_MAJOR and 3 <= rows <= 32 and cols >= 64
     assert after["sgemm_as_sgemv"] - before["sgemm_as_sgemv"] == int(as_gemv)

@@ -38,6 +38,12 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "Expand MLX-quantized weights at load: 'auto' on MLX's CPU device (its quantized "
         "matmul is far slower than BLAS) and not on Metal; '1' always; '0' never.",
     ),
+    "VLLM_METAL_FUSE_PROJECTIONS": (
+        "auto",
+        "One matmul for projections that read the same input (attention's q/k/v, a gated MLP's "
+        "gate/up; weights concatenated at load): 'auto' on MLX's CPU device (fewer, larger "
+        "BLAS calls) and not on Metal; '1' always; '0' never.",
+    ),
     "VLLM_METAL_STATE_WRITEBACK": (
         "inplace",
         "Hybrid models' per-request states (linear-attention layers): 'inplace' scatters each "

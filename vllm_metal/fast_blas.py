@@ -136,6 +136,8 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_set_gemv_max_rows.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_transpose_max_rows.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_transpose_max_rows.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_set_few_rows_min.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_few_rows_min.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_few_rows_max.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_few_rows_max.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_few_rows_supported.restype = ctypes.c_int
@@ -261,8 +263,17 @@ def set_transpose_max_rows(rows: int) -> int | None:
     return int(_shim.vllm_metal_blas_shim_set_transpose_max_rows(rows))
 
 
+def set_few_rows_min(rows: int) -> int | None:
+    """Smallest row count sent to the few-row kernel (default 1; 3 restores the earlier
+    routing of 1-2-row products to OpenBLAS's sgemv). For benchmarks and tests. Returns the
+    previous setting, or None when the shim is not bound."""
+    if _shim is None:
+        return None
+    return int(_shim.vllm_metal_blas_shim_set_few_rows_min(rows))
+
+
 def set_few_rows_max(rows: int) -> int | None:
-    """Run row-major x[M,K] @ W[N,K]^T with 3..`rows` rows through the shim's own
+    """Run row-major x[M,K] @ W[N,K]^T with 1..`rows` rows through the shim's own
     few-row kernel where the CPU has AVX2 and FMA (0: never; default 8). For
     benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
     if _shim is None:

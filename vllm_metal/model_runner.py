@@ -26,6 +26,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal import envs, prompt_logprobs
 from vllm_metal.models.attention_adapter import PagedKVCache
+from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.persistent_batch import PersistentBatch
 from vllm_metal.sampling import sample
@@ -80,7 +81,8 @@ class MetalModelRunner:
         choice = (envs.get("VLLM_METAL_DEQUANTIZE") or "auto").strip().lower()
         dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
         start = time.perf_counter()
-        self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize)
+        self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize,
+                                    fuse=fuse_projections_enabled(self.device))
         logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs", self.model_config.model, dtype,
                     ", MLX-quantized" if self.mlx_model.quantized else "", self.device,
                     time.perf_counter() - start)

@@ -87,13 +87,26 @@ def _device_of(stream) -> mx.Device:
     raise TypeError(f"stream must be an mx.Stream, mx.Device, mx.cpu/mx.gpu or None, got {type(stream).__name__}")
 
 
+_settings: dict[str, str] = {}
+
+
+def reload_settings() -> None:
+    """Re-reads the environment settings the ops cache (VLLM_METAL_ATTENTION);
+    they are read once, not on every call of a layer's hot path."""
+    _settings["attention"] = (envs.get("VLLM_METAL_ATTENTION") or "auto").strip()
+
+
+reload_settings()
+
+
 def attention_path(stream=None) -> tuple[str, str]:
     """Which implementation `paged_attention` uses on `stream`: (name, reason).
 
-    name is "metal", "cpu" or "reference".
+    name is "metal", "cpu" or "reference" (VLLM_METAL_ATTENTION, read at import
+    or by `reload_settings`).
     """
     device = _device_of(stream)
-    if (envs.get("VLLM_METAL_ATTENTION") or "auto").strip() == "reference":
+    if _settings["attention"] == "reference":
         return "reference", "VLLM_METAL_ATTENTION=reference"
     if device.type == mx.DeviceType.cpu:
         return "cpu", "native C++ primitive on MLX's CPU device"
@@ -264,11 +277,15 @@ def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache
     num_slots = num_blocks * block_size
     num_tokens = news[0].shape[0]
     slots, host = _slot_array(slot_mapping, num_tokens, num_slots)
+    if isinstance(slots, SlotMapping):  # checked and converted once per step
+        if slots.keep.size == 0:
+            return list(caches)
+        if slots.all_real:
+            return [_scatter(c, x, slots.slots, lambda new, _: new) for c, x in zip(caches, news)]
+        pick = slots.pick
+        return [_scatter(c, x, slots.slots, lambda new, _: new[pick]) for c, x in zip(caches, news)]
 
-    def scatter(cache, new, where, what):
-        flat = cache.reshape(num_slots, num_kv_heads, head_dim)
-        flat[where] = what(new, flat)
-        return flat.reshape(num_blocks, block_size, num_kv_heads, head_dim)
+    scatter = _scatter
 
     if host is not None:
         # Known slots (the normal case): scatter only the real writes. The
@@ -299,8 +316,51 @@ def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache
     return [scatter(c, x, safe_slots, anchored) for c, x in zip(caches, news)]
 
 
+class SlotMapping:
+    """A step's host slot mapping, checked and converted once and then used by
+    every layer's `write_kv` (instead of each layer converting the numpy array
+    again): the real writes' slots as an mx.array, and which tokens they are
+    when some tokens write nothing (-1)."""
+
+    def __init__(self, slot_mapping):
+        host = np.asarray(slot_mapping)
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"slot_mapping must hold integers, got dtype {host.dtype}")
+        if host.ndim != 1:
+            raise ValueError(f"slot_mapping must be one-dimensional, got shape {host.shape}")
+        self.host = host.astype(np.int64)
+        self.low = int(self.host.min()) if host.size else 0
+        self.high = int(self.host.max()) if host.size else -1
+        self.keep = np.nonzero(self.host >= 0)[0]
+        self.all_real = self.keep.size == self.host.size
+        self.slots = mx.array(self.host if self.all_real else self.host[self.keep])
+        self.pick = None if self.all_real else mx.array(self.keep.astype(np.int32))
+
+    def __len__(self) -> int:
+        return int(self.host.size)
+
+    def check(self, num_tokens: int, num_slots: int) -> None:
+        if self.host.size != num_tokens:
+            raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], got shape {self.host.shape}")
+        if self.low < -1 or self.high >= num_slots:
+            bad = np.nonzero((self.host < -1) | (self.host >= num_slots))[0]
+            i = int(bad[0])
+            raise ValueError(f"slot_mapping[{i}] = {int(self.host[i])} is outside [-1, {num_slots}) "
+                             f"(num_blocks x block_size slots; -1 means no write)")
+
+
+def _scatter(cache, new, where, what):
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    flat = cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+    flat[where] = what(new, flat)
+    return flat.reshape(num_blocks, block_size, num_kv_heads, head_dim)
+
+
 def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
     """(slots as mx.array, the same as numpy when known on the host, else None)."""
+    if isinstance(slot_mapping, SlotMapping):
+        slot_mapping.check(num_tokens, num_slots)
+        return slot_mapping, slot_mapping.host
     if isinstance(slot_mapping, mx.array):
         slots = slot_mapping
         host = np.array(slots) if _ext.is_materialized(slots) else None

@@ -16,6 +16,7 @@ from vllm_metal import fast_blas
 fast_blas.preload()  # before anything imports mlx.core
 
 import mlx.core as mx  # noqa: E402
+import torch  # noqa: E402
 
 from vllm_metal import memory, upstream_patches  # noqa: E402
 from vllm_metal.capabilities import short_report  # noqa: E402
@@ -35,6 +36,12 @@ class MetalWorker(WorkerBase):
             mx.set_default_device(mx.gpu)
         else:
             mx.set_default_device(mx.cpu)
+            # One thread budget on the CPU device: the model's compute runs on MLX's
+            # stream thread plus one worker of our kernels' pools (or OpenBLAS's,
+            # in prefill GEMMs), one core each. torch only samples ([rows, vocab]
+            # argmax/softmax, a fraction of a millisecond); its OpenMP workers
+            # would spin on the cores those pools need after every call.
+            torch.set_num_threads(1)
         upstream_patches.patch_torch_accelerator()  # see the module: vLLM's shutdown path
         set_random_seed(self.model_config.seed)
         mx.random.seed(self.model_config.seed or 0)

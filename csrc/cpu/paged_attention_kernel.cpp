@@ -1,26 +1,42 @@
 // The CPU paged-attention kernel, compiled once per instruction set (see
 // CMakeLists.txt) and chosen at run time by paged_attention_cpu.cpp.
 //
-// Work is split into units of (sequence, tile of query tokens, kv head[, key
-// partition]); each unit loads a cache block's K/V rows once and uses them for
-// every query head of the GQA group and every token of the tile. Softmax is an
-// online (streaming) softmax in float32. Scores use head_dim (q and key rows),
+// Work is split into units of (sequence, tile of query rows, kv head[, key
+// partition]); tile sizes come from the shape-class table in
+// paged_attention_tiles.h. A unit walks the cache blocks its rows can see:
+// it loads a block's keys once, transposed (head dim x keys, keys across the
+// SIMD lanes), and scores them against every row of the tile with a
+// register-blocked micro-kernel (row_block rows x 16 keys, one FMA chain per
+// lane over the head dim); the block's values are loaded once and
+// accumulated into every row. Softmax is an online (streaming) softmax in
+// float32, one update per cache block. Scores use head_dim (q and key rows),
 // the accumulator v_head_dim (the first values of each value row); an
 // attention sink is folded into a row's finished state when it is written.
 //
-// Numerics are batch-invariant by construction: keys are visited in absolute
-// partitions of kPartition positions; each partition is reduced with a fresh
-// online softmax, and partitions are merged pairwise in position order. So a
-// query row's result depends only on its own sequence, never on what else is
-// in the batch, how tokens are tiled, or whether partitions ran in parallel.
+// Numerics are batch-invariant by construction: a row's score for a key is a
+// dot product in head-dim order; its softmax advances one cache block at a
+// time (blocks are absolute key ranges), masked keys contribute exact zeros;
+// keys are visited in absolute partitions of kPartition positions, each
+// reduced with a fresh online softmax and merged pairwise in position order.
+// So a query row's result depends only on its own sequence, never on what
+// else is in the batch, how rows are tiled or blocked, which instruction set
+// ran (the AVX2 and AVX-512 builds make the same FMAs lane by lane), or
+// whether partitions ran in parallel.
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "cpu/convert.h"
 #include "cpu/paged_attention_kernel.h"
+#include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
@@ -31,9 +47,23 @@ namespace vllm_metal::cpu {
 
 namespace {
 
-constexpr int kPartition = 1024;  // keys per partition (multiple of any block size)
-constexpr int kRowsPerTile = 64;  // query rows (tokens x group heads) per unit
+constexpr int kPartition = 512;   // keys per partition (multiple of any block size)
+constexpr int kLanes = 16;        // keys per score vector
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Sixteen floats: one AVX-512 register, two AVX2 ones, four SSE ones. GCC
+// lowers the same lane-wise operations to each, so every build computes the
+// same values lane by lane.
+using vf = float __attribute__((vector_size(64)));
+using vi = int32_t __attribute__((vector_size(64)));
+
+// Rows scored together: the accumulators (row_block x 16 floats) must stay
+// in registers: 32 vector registers on AVX-512, 16 on AVX2.
+#if defined(__AVX512F__)
+constexpr int kMaxRowBlock = 8;
+#else
+constexpr int kMaxRowBlock = 4;
+#endif
 
 // One independent piece of work.
 struct Unit {
@@ -49,71 +79,173 @@ struct RowState {
   float m, l;  // max score and sum of exp(score - m)
 };
 
-inline float dot(const float* a, const float* b, int n) {
-  // Sixteen independent accumulators in a fixed order: two vector registers'
-  // worth of parallel FMA chains, deterministic without -ffast-math.
-  float s[16] = {};
-  int d = 0;
-  for (; d + 16 <= n; d += 16) {
-    for (int j = 0; j < 16; ++j) {
-      s[j] += a[d + j] * b[d + j];
-    }
-  }
-  for (int j = 0; d + j < n && j < 16; ++j) {  // tail, same lanes
-    s[j] += a[d + j] * b[d + j];
-  }
-  float r = 0.0f;
-  for (int j = 0; j < 8; ++j) {
-    r += s[j] + s[j + 8];
-  }
-  return r;
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-// exp(x) for x <= 0 (scores minus their running max), vectorizable: Cephes'
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
+
+// exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes'
 // expf polynomial with round-to-nearest by the 1.5 * 2^23 trick, ~1 ulp.
-// Below -87.3 it returns ~1e-38 instead of 0: negligible next to the max
-// key's weight of 1.
-inline void exp_inplace(float* x, int n) {
-  for (int i = 0; i < n; ++i) {
-    float v = x[i] < -87.3f ? -87.3f : x[i];
-    v = v > 88.3f ? 88.3f : v;
-    const float t = v * 1.44269504088896341f + 12582912.0f;  // round(v / ln 2) in the low bits
-    const float k = t - 12582912.0f;
-    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t scale = (std::bit_cast<int32_t>(t) - 0x4B400000 + 127) << 23;  // 2^k
-    x[i] = p * std::bit_cast<float>(scale);
+// Below -87.3 it returns ~1e-38 instead of 0 (callers zero masked lanes).
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
+  vf v = x < lo ? lo : x;
+  v = v > hi ? hi : v;
+  const vf t = v * 1.44269504088896341f + 12582912.0f;  // round(v / ln 2) in the low bits
+  const vf k = t - 12582912.0f;
+  const vf r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi scale = (((vi)t) - 0x4B400000 + 127) << 23;  // 2^k
+  return p * (vf)scale;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int j = 1; j < kLanes; ++j) m = std::max(m, v[j]);
+  return m;
+}
+
+// scores[r][0 : ng * 16] = q[r] . keys, for RB rows; kt is head_dim x kp.
+template <int RB>
+inline void score_rows(const float* q, int D, const float* kt, int kp, int ng, float* scores) {
+  for (int g = 0; g < ng; ++g) {
+    vf acc[RB] = {};
+    const float* col = kt + g * kLanes;
+    for (int d = 0; d < D; ++d) {
+      const vf k = vload(col + static_cast<int64_t>(d) * kp);
+      for (int r = 0; r < RB; ++r) {
+        acc[r] += q[r * D + d] * k;
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      vstore(scores + r * kp + g * kLanes, acc[r]);
+    }
   }
 }
 
-// acc[0:n] += sum_i w[i] * v[i * stride + 0:n], in i order for every element,
-// a register-sized chunk of acc at a time.
-inline void accumulate_rows(float* acc, const float* w, const float* v, int count,
-                            int stride, int n) {
-  constexpr int kChunk = 32;
-  int d0 = 0;
-  for (; d0 + kChunk <= n; d0 += kChunk) {
-    float a[kChunk];
-    for (int j = 0; j < kChunk; ++j) a[j] = acc[d0 + j];
-    for (int i = 0; i < count; ++i) {
-      const float* vi = v + i * stride + d0;
-      for (int j = 0; j < kChunk; ++j) a[j] += w[i] * vi[j];
+void score_block(const float* q, int rows, int D, const float* kt, int kp, int ng,
+                 float* scores, int row_block) {
+  int r = 0;
+  for (; r < rows;) {
+    const int n = std::min(rows - r, row_block);
+    const float* qr = q + r * D;
+    float* sr = scores + r * kp;
+    switch (n) {
+      case 8: score_rows<8>(qr, D, kt, kp, ng, sr); break;
+      case 7: score_rows<7>(qr, D, kt, kp, ng, sr); break;
+      case 6: score_rows<6>(qr, D, kt, kp, ng, sr); break;
+      case 5: score_rows<5>(qr, D, kt, kp, ng, sr); break;
+      case 4: score_rows<4>(qr, D, kt, kp, ng, sr); break;
+      case 3: score_rows<3>(qr, D, kt, kp, ng, sr); break;
+      case 2: score_rows<2>(qr, D, kt, kp, ng, sr); break;
+      default: score_rows<1>(qr, D, kt, kp, ng, sr); break;
     }
-    for (int j = 0; j < kChunk; ++j) acc[d0 + j] = a[j];
+    r += n;
   }
-  for (int i = 0; i < count; ++i) {
-    for (int d = d0; d < n; ++d) acc[d] += w[i] * v[i * stride + d];
+}
+
+// acc[0:dvp] += sum_i w[i] * v[i * dvp + 0:dvp] for i in [lo, hi), in i order
+// for every element, 64 floats of acc in registers at a time.
+inline void accumulate_values(float* acc, const float* w, const float* v, int lo, int hi,
+                              int dvp) {
+  int c = 0;
+  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) {
+    vf a0 = vload(acc + c), a1 = vload(acc + c + 16), a2 = vload(acc + c + 32),
+       a3 = vload(acc + c + 48);
+    for (int i = lo; i < hi; ++i) {
+      const float* vr = v + static_cast<int64_t>(i) * dvp + c;
+      const float wi = w[i];
+      a0 += wi * vload(vr);
+      a1 += wi * vload(vr + 16);
+      a2 += wi * vload(vr + 32);
+      a3 += wi * vload(vr + 48);
+    }
+    vstore(acc + c, a0);
+    vstore(acc + c + 16, a1);
+    vstore(acc + c + 32, a2);
+    vstore(acc + c + 48, a3);
+  }
+  for (; c < dvp; c += kLanes) {
+    vf a = vload(acc + c);
+    for (int i = lo; i < hi; ++i) {
+      a += w[i] * vload(v + static_cast<int64_t>(i) * dvp + c);
+    }
+    vstore(acc + c, a);
+  }
+}
+
+// kt[d * kp + i] = rows[i][d] for i < 16, d < D: sixteen float32 key rows
+// (absent ones point at zeros) transposed into key-across-lanes columns,
+// in registers where the instruction set allows.
+inline void transpose_keys(const float* const* rows, int D, float* kt, int64_t kp) {
+  int d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d);
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+      const __m512d c = _mm512_castps_pd(t[4 * i + 1]), e = _mm512_castps_pd(t[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+    }
+    for (int i = 0; i < 2; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+        t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      _mm512_storeu_ps(kt + (d + j) * kp, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+      _mm512_storeu_ps(kt + (d + 8 + j) * kp, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+    }
+  }
+#elif defined(__AVX2__)
+  for (; d + 8 <= D; d += 8) {
+    for (int h = 0; h < 16; h += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[h + i] + d);
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(kt + (d + j) * kp + h, _mm256_permute2f128_ps(u[j], u[4 + j], 0x20));
+        _mm256_storeu_ps(kt + (d + 4 + j) * kp + h, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
+      }
+    }
+  }
+#endif
+  for (; d < D; ++d) {
+    for (int i = 0; i < 16; ++i) kt[d * kp + i] = rows[i][d];
   }
 }
 
 // Merges state (m2, l2, acc2) into (m1, l1, acc1); the one combine rule used
-// for blocks inside a partition and for partitions.
+// for partitions (in place or from partials).
 inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2, int n) {
   if (s2.l == 0.0f && s2.m == kNegInf) {
     return;
@@ -130,7 +262,7 @@ inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2
 
 // Per-thread scratch, grown on demand and kept between calls.
 struct Scratch {
-  std::vector<float> q, k, v, acc, part_acc, scores;
+  std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
   std::vector<RowState> state, part_state;
 };
 
@@ -148,7 +280,9 @@ class CpuPagedAttention {
         p_(a.params),
         g_(a.geometry),
         seq_lens_(a.seq_lens),
-        cu_(a.cu_seqlens_q) {}
+        cu_(a.cu_seqlens_q),
+        dvp_(round_up(g_.v_head_dim, kLanes)),
+        kp_(round_up(g_.block_size, kLanes)) {}
 
   void run() {
     plan();
@@ -168,16 +302,22 @@ class CpuPagedAttention {
     return p_.sliding_window > 0 ? std::max(0, pos - p_.sliding_window + 1) : 0;
   }
 
-  // Builds the unit list. Partitions of a tile run in one unit (merged in
-  // place) unless there are too few units to occupy the cores, as in
-  // long-context decode of few sequences; then they become separate units
-  // whose partials are merged afterwards, in the same order.
+  // Builds the unit list: each sequence's tokens in tiles of its shape
+  // class's rows. Partitions of a tile run in one unit (merged in place)
+  // unless there are too few units to occupy the cores, as in long-context
+  // decode of few sequences; then they become separate units whose partials
+  // are merged afterwards, in the same order.
   void plan() {
-    const int tile_tokens = std::max(1, kRowsPerTile / g_.group);
     struct Tile { int seq, tb, te, pb, pe; };
     std::vector<Tile> tiles;
     for (int s = 0; s < g_.num_seqs; ++s) {
       int n = cu_[s + 1] - cu_[s];
+      const QueryClass c = query_class(n);
+      int rows = rows_per_tile(c, g_.head_dim, g_.group);
+      if (c == QueryClass::prefill && prefill_rows_override() > 0) {
+        rows = prefill_rows_override();
+      }
+      const int tile_tokens = std::max(1, rows / g_.group);
       for (int tb = 0; tb < n; tb += tile_tokens) {
         int te = std::min(n, tb + tile_tokens);
         int lo = row_lo(row_pos(s, tb));
@@ -211,13 +351,15 @@ class CpuPagedAttention {
     const int D = g_.head_dim, Dv = g_.v_head_dim;
     const int rows = (u.tok_end - u.tok_begin) * g_.group;
     sc.q.resize(rows * D);
-    sc.acc.assign(rows * Dv, 0.0f);
+    sc.acc.assign(rows * dvp_, 0.0f);
     sc.state.assign(rows, RowState{kNegInf, 0.0f});
-    sc.part_acc.resize(rows * Dv);
+    sc.part_acc.resize(rows * dvp_);
     sc.part_state.resize(rows);
-    sc.k.resize(g_.block_size * D);
-    sc.v.resize(g_.block_size * Dv);
-    sc.scores.resize(g_.block_size);
+    sc.kt.resize(static_cast<std::size_t>(D) * kp_);
+    sc.v.resize(static_cast<std::size_t>(g_.block_size) * dvp_);
+    sc.krows.resize(static_cast<std::size_t>(kLanes) * D);
+    sc.zeros.assign(D, 0.0f);
+    sc.scores.resize(static_cast<std::size_t>(rows) * kp_);
 
     // Gather the tile's query rows (token-major, then head within the group).
     const int tok0 = cu_[u.seq] + u.tok_begin;
@@ -230,30 +372,66 @@ class CpuPagedAttention {
     for (int part = u.part_begin; part < u.part_end; ++part) {
       reduce_partition(u, part, rows, sc);
       for (int r = 0; r < rows; ++r) {
-        merge_into(sc.state[r], &sc.acc[r * Dv], sc.part_state[r], &sc.part_acc[r * Dv], Dv);
+        merge_into(sc.state[r], &sc.acc[r * dvp_], sc.part_state[r], &sc.part_acc[r * dvp_],
+                   Dv);
       }
     }
 
     if (u.partial_offset < 0) {
       for (int r = 0; r < rows; ++r) {
-        write_row(u, r, sc.state[r], &sc.acc[r * Dv]);
+        write_row(u, r, sc.state[r], &sc.acc[r * dvp_]);
       }
     } else {
       float* dst = &partials_[u.partial_offset];
       for (int r = 0; r < rows; ++r) {
         dst[0] = sc.state[r].m;
         dst[1] = sc.state[r].l;
-        std::copy_n(&sc.acc[r * Dv], Dv, dst + 2);
+        std::copy_n(&sc.acc[r * dvp_], Dv, dst + 2);
         dst += Dv + 2;
       }
+    }
+  }
+
+  // Loads keys [p0, p1) of one cache block transposed into sc.kt (head_dim x
+  // kp_, lanes past p1 - p0 zero) and their values into sc.v (rows of dvp_,
+  // zero past v_head_dim).
+  void load_block(int block_id, int b0, int p0, int p1, int kv_head, Scratch& sc) {
+    const int D = g_.head_dim, Dv = g_.v_head_dim;
+    const int n = p1 - p0;
+    const float* rows[kLanes];
+    for (int g0 = 0; g0 < n; g0 += kLanes) {
+      for (int i = 0; i < kLanes; ++i) {
+        const int p = p0 + g0 + i;
+        if (g0 + i >= n) {
+          rows[i] = sc.zeros.data();
+          continue;
+        }
+        const int64_t k_off = block_id * g_.k_st[0] + (p - b0) * g_.k_st[1] + kv_head * g_.k_st[2];
+        if constexpr (std::is_same_v<T, float>) {
+          if (g_.k_st[3] == 1) {
+            rows[i] = k_ + k_off;
+            continue;
+          }
+        }
+        float* staged = &sc.krows[static_cast<int64_t>(i) * D];
+        load_row(k_ + k_off, g_.k_st[3], D, staged);
+        rows[i] = staged;
+      }
+      transpose_keys(rows, D, sc.kt.data() + g0, kp_);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int64_t v_off = block_id * g_.v_st[0] + (p0 + i - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
+      float* vr = &sc.v[static_cast<int64_t>(i) * dvp_];
+      load_row(v_ + v_off, g_.v_st[3], Dv, vr);
+      std::fill(vr + Dv, vr + dvp_, 0.0f);
     }
   }
 
   // Fresh online softmax of every row of the unit over one key partition,
   // into sc.part_state / sc.part_acc.
   void reduce_partition(const Unit& u, int part, int rows, Scratch& sc) {
-    const int D = g_.head_dim, Dv = g_.v_head_dim, bs = g_.block_size;
-    std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * Dv, 0.0f);
+    const int D = g_.head_dim, bs = g_.block_size;
+    std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * dvp_, 0.0f);
     std::fill(sc.part_state.begin(), sc.part_state.begin() + rows, RowState{kNegInf, 0.0f});
 
     const int first_pos = row_pos(u.seq, u.tok_begin);
@@ -264,57 +442,69 @@ class CpuPagedAttention {
       return;
     }
     const int32_t* table = bt_ + u.seq * g_.bt_st[0];
+    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int b = key_lo / bs; b * bs < key_hi; ++b) {
       const int block_id = table[b * g_.bt_st[1]];
       const int p0 = std::max(key_lo, b * bs), p1 = std::min(key_hi, (b + 1) * bs);
-      for (int p = p0; p < p1; ++p) {
-        const int64_t k_off = block_id * g_.k_st[0] + (p - b * bs) * g_.k_st[1] + u.kv_head * g_.k_st[2];
-        const int64_t v_off = block_id * g_.v_st[0] + (p - b * bs) * g_.v_st[1] + u.kv_head * g_.v_st[2];
-        load_row(k_ + k_off, g_.k_st[3], D, &sc.k[(p - p0) * D]);
-        load_row(v_ + v_off, g_.v_st[3], Dv, &sc.v[(p - p0) * Dv]);
+      const int ng = (p1 - p0 + kLanes - 1) / kLanes;
+      load_block(block_id, b * bs, p0, p1, u.kv_head, sc);
+
+      // Rows that see none of these keys (the first rows of a causal tile
+      // against its last block, rows whose window ended) are not scored.
+      int r_first = 0;
+      while (r_first < rows && first_pos + r_first / g_.group < p0) ++r_first;
+      int r_end = rows;
+      while (r_end > r_first && row_lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
+      if (r_first >= r_end) {
+        continue;
       }
-      for (int r = 0; r < rows; ++r) {
+      score_block(&sc.q[r_first * D], r_end - r_first, D, sc.kt.data(), kp_, ng,
+                  &sc.scores[r_first * kp_], kMaxRowBlock);
+
+      for (int r = r_first; r < r_end; ++r) {
         const int pos = first_pos + r / g_.group;
-        const int lo = std::max(p0, row_lo(pos)), hi = std::min(p1, pos + 1);
+        const int lo = std::max(p0, row_lo(pos)) - p0, hi = std::min(p1, pos + 1) - p0;
         if (lo >= hi) {
           continue;
         }
-        block_update(&sc.q[r * D], sc.part_state[r], &sc.part_acc[r * Dv],
-                     &sc.k[(lo - p0) * D], &sc.v[(lo - p0) * Dv], hi - lo, sc);
+        softmax_update(&sc.scores[r * kp_], ng, lo, hi, lane, sc.part_state[r],
+                       &sc.part_acc[r * dvp_], sc.v.data());
       }
     }
   }
 
-  // Online-softmax step of one row over n consecutive keys.
-  void block_update(const float* q, RowState& st, float* acc, const float* k,
-                    const float* v, int n, Scratch& sc) {
-    const int D = g_.head_dim, Dv = g_.v_head_dim;
-    float* s = sc.scores.data();
+  // Online-softmax step of one row over the keys [lo, hi) of a block (its
+  // scores in s, ng vectors of them).
+  void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc,
+                      const float* v) {
+    const vf neg_inf = vf{} + kNegInf;
     float mb = kNegInf;
-    for (int i = 0; i < n; ++i) {
-      float x = dot(q, k + i * D, D) * p_.scale;
+    for (int g = 0; g < ng; ++g) {
+      vf x = vload(s + g * kLanes) * p_.scale;
       if (p_.softcap > 0.0f) {
-        x = p_.softcap * std::tanh(x / p_.softcap);
+        for (int j = 0; j < kLanes; ++j) x[j] = p_.softcap * std::tanh(x[j] / p_.softcap);
       }
-      s[i] = x;
-      mb = std::max(mb, x);
+      const vf idx = lane + static_cast<float>(g * kLanes);
+      x = (idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)) ? x : neg_inf;
+      vstore(s + g * kLanes, x);
+      mb = std::max(mb, hmax(x));
     }
     const float m = std::max(st.m, mb);
     const float a = std::exp(st.m - m);
     if (a != 1.0f) {
-      for (int d = 0; d < Dv; ++d) {
-        acc[d] *= a;
-      }
+      for (int c = 0; c < dvp_; c += kLanes) vstore(acc + c, vload(acc + c) * a);
     }
     float l = st.l * a;
-    for (int i = 0; i < n; ++i) {
-      s[i] -= m;
+    for (int g = 0; g < ng; ++g) {
+      vf x = vload(s + g * kLanes);
+      vf e = vexp(x - m);
+      e = x == neg_inf ? vf{} : e;
+      vstore(s + g * kLanes, e);
     }
-    exp_inplace(s, n);
-    for (int i = 0; i < n; ++i) {
+    for (int i = lo; i < hi; ++i) {
       l += s[i];
     }
-    accumulate_rows(acc, s, v, n, Dv, Dv);
+    accumulate_values(acc, s, v, lo, hi, dvp_);
     st = {m, l};
   }
 
@@ -369,6 +559,8 @@ class CpuPagedAttention {
   Geometry g_;
   const std::vector<int>& seq_lens_;
   const std::vector<int>& cu_;
+  const int dvp_;  // v_head_dim padded to whole vectors
+  const int kp_;   // block_size padded to whole vectors (row stride of kt, scores)
   std::vector<Unit> units_, merges_;
   std::vector<float> partials_;
 };

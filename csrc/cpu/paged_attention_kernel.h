@@ -38,6 +38,7 @@ struct KernelArgs {
 void paged_attention_generic(const KernelArgs& args);
 #if defined(__x86_64__) || defined(_M_X64)
 void paged_attention_avx2(const KernelArgs& args);  // AVX2 + FMA + F16C
+void paged_attention_avx512(const KernelArgs& args);  // AVX-512 F/VL/BW/DQ + the above
 #endif
 
 } // namespace vllm_metal::cpu

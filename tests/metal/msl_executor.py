@@ -58,8 +58,13 @@ class Executor:
         self.lib.vm_paged_attention.argtypes = [
             c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_int64),
             c.POINTER(c.c_void_p), c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_float,
-            c.c_int, c.c_float, c.c_int, c.c_int, c.c_int, c.c_uint64, c.c_int, c.c_int,
-            c.c_void_p, c.POINTER(c.c_int64), c.c_char_p, c.c_uint64]
+            c.c_int, c.c_float, c.c_int, c.POINTER(c.c_int), c.c_int, c.c_uint64, c.c_int,
+            c.c_int, c.c_void_p, c.POINTER(c.c_int64), c.c_char_p, c.c_uint64, c.c_char_p,
+            c.c_uint64]
+        self.lib.vm_paged_attention_plan.argtypes = [
+            c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_int),
+            c.POINTER(c.c_int64), c.c_char_p, c.c_uint64, c.c_char_p, c.c_uint64]
+        self.lib.vm_decode_shape_table.argtypes = [c.c_int, c.POINTER(c.c_int64)]
         self.lib.msl_kernel_names.argtypes = [c.c_char_p, c.c_uint64]
         self.lib.msl_kernel_names.restype = c.c_uint64
         self.lib.vm_kernel_name.argtypes = [c.c_char_p, c.c_char_p, c.c_int, c.c_int,
@@ -107,7 +112,8 @@ class Executor:
     def paged_attention(self, dtype: str, q, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, *, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None, sinks: np.ndarray | None = None,
-                        v_head_dim: int | None = None, partition_size: int = 0, seed: int = 0,
+                        v_head_dim: int | None = None, partition_size: int = 0,
+                        decode_heads: int = 0, decode_simdgroups: int = 0, seed: int = 0,
                         at_start: bool = False,
                         kernels: tuple[str, ...] = ("decode", "prefill"),
                         ) -> tuple[np.ndarray, dict]:
@@ -116,7 +122,9 @@ class Executor:
         Arrays may be any strided numpy views (bfloat16 as uint16 bit patterns;
         sinks float32, which the op casts them to). `kernels` leaves out decode
         (with its reduce) or prefill, to see which rows each writes; rows no
-        kernel writes come out NaN.
+        kernel writes come out NaN. partition_size, decode_heads (1: the
+        per-head kernel, else the tier's grouped width) and decode_simdgroups
+        override the plan's choice when non-zero (PlanOverrides).
         """
         c = ctypes
         storage, itemsize = DTYPES[dtype]
@@ -135,20 +143,54 @@ class Executor:
                 seq_lens.shape[0], block_tables.shape[1], v_head_dim]
         strides = [s for _, _, st in views for s in st]
         out = np.empty((num_tokens, num_heads, v_head_dim), dtype=storage)
-        info = (c.c_int64 * 2)()
+        info = (c.c_int64 * _PLAN_INFO)()
+        name = c.create_string_buffer(256)
         err = c.create_string_buffer(4096)
         rc = self.lib.vm_paged_attention(
             dtype.encode(), itemsize, (c.c_int64 * 9)(*dims), (c.c_int64 * 16)(*strides),
             (c.c_void_p * 7)(*[b.ctypes.data for b, _, _ in views]),
             (c.c_uint64 * 7)(*[b.nbytes for b, _, _ in views]),
             (c.c_int64 * 7)(*[o for _, o, _ in views]), scale, sliding_window or 0,
-            softcap or 0.0, int(has_sinks), partition_size, int(at_start), seed, self.workers,
-            int("decode" in kernels) | 2 * int("prefill" in kernels),
-            out.ctypes.data, info, err, len(err))
+            softcap or 0.0, int(has_sinks),
+            (c.c_int * 3)(partition_size, decode_heads, decode_simdgroups), int(at_start), seed,
+            self.workers, int("decode" in kernels) | 2 * int("prefill" in kernels),
+            out.ctypes.data, info, name, len(name), err, len(err))
         if rc != 0:
             raise KernelFault(err.value.decode())
         result = bf16_bits_to_float(out) if dtype == "bfloat16" else out.astype(np.float32)
-        return result, {"prefill_dispatched": bool(info[0]), "partitions": int(info[1])}
+        return result, _plan_dict(info, name)
+
+    def plan(self, dtype: str, *, num_tokens: int, num_heads: int, num_kv_heads: int,
+             head_dim: int, v_head_dim: int | None = None, num_seqs: int,
+             block_size: int = 16, max_blocks_per_seq: int = 8, num_blocks: int = 64,
+             partition_size: int = 0, decode_heads: int = 0,
+             decode_simdgroups: int = 0) -> dict:
+        """The launch plan eval_gpu would make for these shapes (nothing runs)."""
+        c = ctypes
+        dims = [num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads,
+                num_seqs, max_blocks_per_seq, head_dim if v_head_dim is None else v_head_dim]
+        info = (c.c_int64 * _PLAN_INFO)()
+        name = c.create_string_buffer(256)
+        err = c.create_string_buffer(4096)
+        rc = self.lib.vm_paged_attention_plan(
+            dtype.encode(), DTYPES[dtype][1], (c.c_int64 * 9)(*dims),
+            (c.c_int * 3)(partition_size, decode_heads, decode_simdgroups), info, name,
+            len(name), err, len(err))
+        if rc != 0:
+            raise ValueError(err.value.decode())
+        return _plan_dict(info, name)
+
+    def decode_shape_table(self) -> list[dict]:
+        """kDecodeShapeTable (paged_attention_tuning.h), row by row."""
+        row = (ctypes.c_int64 * 6)()
+        n = self.lib.vm_decode_shape_table(-1, row)
+        rows = []
+        for i in range(n):
+            self.lib.vm_decode_shape_table(i, row)
+            rows.append({"dims": HEAD_DIM_CLASSES[row[0]], "queries": QUERY_CLASSES[row[1]],
+                         "batch": BATCH_CLASSES[row[2]], "decode_heads": int(row[3]),
+                         "decode_simdgroups": int(row[4]), "partition": bool(row[5])})
+        return rows
 
     def gated_delta_kernel_name(self, dtype: str, key_dim: int) -> str:
         """The name GatedDelta::eval_gpu looks up (vllm_metal::gated_delta_kernel_name)."""
@@ -195,6 +237,24 @@ class Executor:
             y = bf16_bits_to_float(y) if dtype == "bfloat16" else y.astype(np.float32)
         plan = {"grid": tuple(info[:3]), "threads": int(info[3]), "dispatched": bool(info[4])}
         return y, state_out, plan
+
+
+# The shape classes of paged_attention_tuning.h, by enum value.
+HEAD_DIM_CLASSES = ("up_to_128", "256", "large")
+QUERY_CLASSES = ("decode", "short", "prefill")
+BATCH_CLASSES = ("small", "large")
+_PLAN_INFO = 12  # kPlanInfo in msl/paged_attention_driver.cpp
+
+
+def _plan_dict(info, name) -> dict:
+    return {
+        "prefill_dispatched": bool(info[0]), "partitions": int(info[1]),
+        "table_row": int(info[2]), "dims": HEAD_DIM_CLASSES[info[3]],
+        "queries": QUERY_CLASSES[info[4]], "batch": BATCH_CLASSES[info[5]],
+        "decode_heads": int(info[6]), "decode_chunks": int(info[7]),
+        "decode_threads": int(info[8]), "decode_grid": (int(info[9]), int(info[10]), int(info[11])),
+        "decode_kernel": name.value.decode(),
+    }
 
 
 def float_to_bf16_bits(x: np.ndarray) -> np.ndarray:

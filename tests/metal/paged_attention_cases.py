@@ -176,6 +176,17 @@ def cpu_reference(case: Case) -> np.ndarray:
     return np.array(out.astype(mx.float32))
 
 
+def numpy_reference(case: Case) -> np.ndarray:
+    """The float64 definition (tests/numpy_reference.py) on the case's inputs
+    (already rounded to its dtype): independent of every kernel."""
+    from numpy_reference import paged_attention_f64
+
+    return paged_attention_f64(
+        case.q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        case.cu_seqlens_q, case.scale, sliding_window=case.sliding_window,
+        softcap=case.softcap, sinks=case.sinks, v_head_dim=case.v_head_dim)
+
+
 def assert_close(out: np.ndarray, ref: np.ndarray, dtype: str, what: str = "") -> None:
     atol, rtol = TOLERANCE[dtype]
     if out.shape != ref.shape:

@@ -37,17 +37,22 @@ def test_embedded_source_is_self_contained_ascii(embedded):
         assert embedded.count(f'#line 1 "{header.name}"') == 1, header.name
     for kernel in ("paged_attention_decode", "paged_attention_prefill", "paged_attention_reduce"):
         assert re.search(rf"\[\[kernel\]\] void {kernel}\(", embedded), kernel
+    # Host-only parts of the shared headers stay out of what Metal compiles.
+    assert "kDecodeShapeTable" in embedded  # (present, but behind the guard:)
+    guarded = embedded[embedded.index("#ifndef __METAL_VERSION__\n// ---- Host only"):]
+    assert guarded.index("kDecodeShapeTable") < guarded.index("#endif  // __METAL_VERSION__")
 
 
 def test_every_kernel_the_host_asks_for_is_instantiated(executor):
     """Every key head dim the op accepts (1..576), each with value head dims
-    at and around the tiers' edges (1..512)."""
+    at and around the tiers' edges (1..512); decode per head and grouped
+    (the tier's width, which the shape-class table may name)."""
     names = executor.kernel_names()
     for dtype in ("float32", "float16", "bfloat16"):
         for head_dim in range(1, 577):
             v_dims = {head_dim, 1, 32, 33, 256, 257, 512} - set(range(513, 577))
             for v_head_dim in v_dims:
-                for kind in ("decode", "prefill", "reduce"):
+                for kind in ("decode", "decode_grouped", "prefill", "reduce"):
                     name = executor.host_kernel_name(kind, dtype, head_dim, v_head_dim)
                     assert name in names, (
                         f"eval_gpu would ask for {name}, which is not instantiated")

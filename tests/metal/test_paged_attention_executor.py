@@ -13,7 +13,7 @@ import pytest
 
 import msl_executor
 from paged_attention_cases import (BAD_INPUTS, DTYPES, KINDS, assert_close, break_case,
-                                   cpu_reference, make_case, storage)
+                                   cpu_reference, make_case, numpy_reference, storage)
 
 
 def run(executor, case, **options):
@@ -159,6 +159,210 @@ def test_mla_with_sinks_window_and_partitions(executor, rng, kind):
     assert_close(out, cpu_reference(case), "bfloat16", f"{kind} {info}")
 
 
+# ---- Grouped (GQA) decode and the shape-class table ------------------------
+#
+# The decode kernel computes up to the tier's grouped width of query heads of
+# one KV head per threadgroup (8 at d <= 128, 4 at d256, 2 on the large tier;
+# paged_attention_tuning.h), reading each K/V row once for all of them;
+# larger groups are split into chunks. These run it against the float64
+# definition (tests/numpy_reference.py), grouped and per head.
+
+# head_dim -> (v_head_dim, shared cache, num_kv_heads, the tier's grouped width)
+GROUPED_DIMS = {64: (None, False, 2, 8), 128: (None, False, 2, 8), 256: (None, False, 2, 4),
+                576: (512, True, 1, 2)}
+# Groups 1, 2, 3, 4, 8 and past every tier's width (12: two chunks of 6 at
+# d <= 128, three of 4 at d256, six of 2 on the large tier).
+GROUPS = [1, 2, 3, 4, 8, 12]
+
+
+def grouped_case(rng, *, dtype, head_dim, group, kind, **kw):
+    v_head_dim, shared, kv_heads, _ = GROUPED_DIMS[head_dim]
+    return make_case(rng, dtype=dtype, head_dim=head_dim, group=group,
+                     block_size=int(rng.choice([8, 16, 32])), kind=kind,
+                     num_kv_heads=kv_heads, v_head_dim=v_head_dim, shared_kv=shared, **kw)
+
+
+def check_grouped_plan(info, case, head_dim, group):
+    """The plan ran the grouped kernel (per head for a group of 1) with
+    balanced chunks of at most the tier's width."""
+    width = GROUPED_DIMS[head_dim][3]
+    kv_heads = case.key_cache.shape[2]
+    chunks = -(-group // width)
+    assert ("_decode_gqa%d_" % width in info["decode_kernel"]) == (group > 1), info
+    assert info["decode_chunks"] == (chunks if group > 1 else 1), info
+    assert info["decode_heads"] == (-(-group // chunks) if group > 1 else 1), info
+    assert info["decode_grid"][:2] == (kv_heads * info["decode_chunks"], len(case.q)), info
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", list(GROUPED_DIMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_decode(executor, rng, dtype, head_dim, group, partitioned):
+    """Every group size against every tier's width, with and without key
+    partitions (forced, so that short contexts split too)."""
+    kind = ["decode", "multi_token_decode", "mixed"][(head_dim // 64 + group) % 3]
+    case = grouped_case(rng, dtype=dtype, head_dim=head_dim, group=group, kind=kind)
+    out, info = run(executor, case, partition_size=48 if partitioned else 0)
+    check_grouped_plan(info, case, head_dim, group)
+    assert (info["partitions"] > 1) == partitioned
+    assert_close(out, numpy_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("group", [3, 8, 12])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 576])
+def test_grouped_long_decode(executor, rng, head_dim, group):
+    """Contexts long enough for the plan's own partitioning."""
+    dtype = DTYPES[(head_dim // 64 + group) % 3]
+    case = grouped_case(rng, dtype=dtype, head_dim=head_dim, group=group, kind="long_decode")
+    out, info = run(executor, case)
+    check_grouped_plan(info, case, head_dim, group)
+    assert info["partitions"] > 1
+    assert_close(out, numpy_reference(case), dtype, str(info))
+
+
+FEATURES = [dict(sinks=True), dict(sliding_window=16), dict(softcap=30.0),
+            dict(sinks=True, sliding_window=5, softcap=20.0), dict(sliding_window=1)]
+
+
+@pytest.mark.parametrize("partition_size", [0, 32])
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("group", [1, 3, 8, 12])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 576])
+def test_grouped_decode_sinks_window_softcap(executor, rng, head_dim, group, features,
+                                             partition_size):
+    """Sinks (one per query head: each head of a chunk folds its own, once),
+    sliding windows (partitions left empty) and soft caps."""
+    dtype = DTYPES[(head_dim + group + partition_size) % 3]
+    kind = ["decode", "multi_token_decode", "mixed"][(group + len(features)) % 3]
+    case = grouped_case(rng, dtype=dtype, head_dim=head_dim, group=group, kind=kind,
+                        **features)
+    out, info = run(executor, case, partition_size=partition_size)
+    check_grouped_plan(info, case, head_dim, group)
+    assert_close(out, numpy_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 256, 576])
+@pytest.mark.parametrize("group", [1, 2, 5, 12])
+def test_grouped_and_per_head_kernels_agree(executor, rng, head_dim, group):
+    """Forcing either kernel (the grouped one for a group of 1 too) gives the
+    reference, also through partitions and with sinks."""
+    width = GROUPED_DIMS[head_dim][3]
+    case = grouped_case(rng, dtype="float32", head_dim=head_dim, group=group,
+                        kind="multi_token_decode", sinks=True)
+    ref = numpy_reference(case)
+    for heads in (1, width):
+        for partition_size in (0, 40):
+            out, info = run(executor, case, decode_heads=heads, partition_size=partition_size)
+            assert ("_gqa" in info["decode_kernel"]) == (heads > 1), info
+            assert info["decode_chunks"] == (group if heads == 1 else -(-group // width))
+            assert_close(out, ref, "float32", str(info))
+
+
+@pytest.mark.parametrize("simdgroups", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("group", [1, 6])
+def test_decode_simdgroup_counts(executor, rng, group, simdgroups):
+    """The decode kernel takes its simdgroup count from the launch (the table
+    gives 4 or 8): any count 1..8 splits keys and merges states correctly."""
+    case = grouped_case(rng, dtype="float16", head_dim=128, group=group, kind="mixed",
+                        sinks=True, sliding_window=40)
+    for partition_size in (0, 64):
+        out, info = run(executor, case, decode_simdgroups=simdgroups,
+                        partition_size=partition_size)
+        assert info["decode_threads"] == 32 * simdgroups
+        assert_close(out, numpy_reference(case), "float16", str(info))
+
+
+def test_grouped_decode_with_eight_kv_heads(executor, rng):
+    """8 KV heads of 6 query heads each, on the launch of the table's large
+    batch rows (4 simdgroups)."""
+    case = make_case(rng, dtype="bfloat16", head_dim=128, group=6, block_size=16,
+                     kind="multi_token_decode", num_kv_heads=8, sinks=True)
+    out, info = run(executor, case, decode_simdgroups=4)
+    assert info["decode_grid"][:2] == (8, len(case.q))
+    assert_close(out, numpy_reference(case), "bfloat16", str(info))
+
+
+# One shape per class: (num_tokens, num_seqs) by query class and batch class,
+# with 8 KV heads (the batch class counts num_tokens * num_kv_heads against
+# 512).
+CLASS_SHAPES = {
+    ("decode", "small"): (4, 4), ("decode", "large"): (64, 64),
+    ("short", "small"): (12, 4), ("short", "large"): (192, 64),
+    ("prefill", "small"): (16, 2), ("prefill", "large"): (64, 8),
+}
+DIMS_OF_CLASS = {"up_to_128": [(32, None), (64, None), (80, None), (128, None)],
+                 "256": [(192, 128), (256, None)], "large": [(576, 512), (288, 256)]}
+WIDTH_OF_CLASS = {"up_to_128": 8, "256": 4, "large": 2}
+
+
+def test_decode_shape_table_has_one_row_per_class(executor):
+    table = executor.decode_shape_table()
+    keys = [(r["dims"], r["queries"], r["batch"]) for r in table]
+    assert sorted(keys) == sorted((d, q, b) for d in DIMS_OF_CLASS
+                                  for q, b in CLASS_SHAPES)
+    for r in table:
+        assert r["decode_heads"] in (1, WIDTH_OF_CLASS[r["dims"]])
+        assert 1 <= r["decode_simdgroups"] <= 8
+
+
+@pytest.mark.parametrize("group", [1, 4, 12])
+def test_plan_picks_the_table_row_for_each_class(executor, group):
+    """Each class's shape gets its own row, and the decode launch is what the
+    row says: kernel (grouped width, or per head for a group of 1), threads,
+    grid and whether long contexts split keys."""
+    table = executor.decode_shape_table()
+    for i, row in enumerate(table):
+        tokens, seqs = CLASS_SHAPES[(row["queries"], row["batch"])]
+        for head_dim, v_head_dim in DIMS_OF_CLASS[row["dims"]]:
+            for dtype in DTYPES:
+                # 4096 keys of capacity: long enough to split when allowed.
+                info = executor.plan(dtype, num_tokens=tokens, num_heads=8 * group,
+                                     num_kv_heads=8, head_dim=head_dim, v_head_dim=v_head_dim,
+                                     num_seqs=seqs, block_size=16, max_blocks_per_seq=256)
+                what = f"row {i} {row} {head_dim}/{v_head_dim} {dtype}: {info}"
+                assert info["table_row"] == i, what
+                assert (info["dims"], info["queries"], info["batch"]) == (
+                    row["dims"], row["queries"], row["batch"]), what
+                assert info["decode_threads"] == 32 * row["decode_simdgroups"], what
+                width = row["decode_heads"] if group > 1 else 1
+                kind = "decode_grouped" if width > 1 else "decode"
+                assert info["decode_kernel"] == executor.host_kernel_name(
+                    kind, dtype, head_dim, v_head_dim), what
+                chunks = -(-group // width)
+                assert info["decode_chunks"] == chunks, what
+                assert info["decode_heads"] == -(-group // chunks), what
+                assert info["decode_grid"][:2] == (8 * chunks, tokens), what
+                threadgroups = 8 * chunks * tokens
+                assert (info["partitions"] > 1) == (row["partition"] and threadgroups < 1024), what
+                assert info["prefill_dispatched"] == (tokens >= 8), what
+
+
+@pytest.mark.parametrize("tokens,seqs,kv_heads,queries,batch", [
+    (5, 5, 2, "decode", "small"), (3, 5, 2, "decode", "small"),   # sequences without tokens
+    (6, 5, 2, "short", "small"), (39, 5, 2, "short", "small"), (40, 5, 2, "prefill", "small"),
+    (1, 0, 2, "prefill", "small"),                                 # no sequences at all
+    (511, 511, 1, "decode", "small"), (512, 512, 1, "decode", "large"),
+    (127, 127, 4, "decode", "small"), (128, 128, 4, "decode", "large"),
+    (128, 64, 4, "short", "large"), (4096, 8, 1, "prefill", "large"),
+])
+def test_shape_class_boundaries(executor, tokens, seqs, kv_heads, queries, batch):
+    """decode: one token per sequence at most on average; short: fewer than 8;
+    prefill: 8 or more. large batch: num_tokens * num_kv_heads >= 512."""
+    info = executor.plan("float16", num_tokens=tokens, num_heads=4 * kv_heads,
+                         num_kv_heads=kv_heads, head_dim=128, num_seqs=seqs)
+    assert (info["queries"], info["batch"]) == (queries, batch), info
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim,heads", [(128, None, 4), (128, None, 2),
+                                                       (256, None, 8), (576, 512, 4)])
+def test_plan_rejects_widths_without_a_kernel(executor, head_dim, v_head_dim, heads):
+    with pytest.raises(ValueError, match="no decode kernel"):
+        executor.plan("float32", num_tokens=2, num_heads=16, num_kv_heads=2,
+                      head_dim=head_dim, v_head_dim=v_head_dim, num_seqs=2,
+                      decode_heads=heads)
+
+
 def _strided_copy(rng, a: np.ndarray, how: str) -> np.ndarray:
     """The values of a as a non-contiguous numpy view."""
     if how == "padded_last":      # rows padded: last axis contiguous, others not
@@ -212,10 +416,12 @@ def test_sequences_without_new_tokens(executor, rng):
 def test_schedule_order_does_not_matter(executor, rng):
     """Different thread interleavings between barriers give bit-identical
     results: the kernels have no data race the executor can expose."""
-    for kind, partition_size in (("mixed", 0), ("decode", 48)):
-        case = make_case(rng, dtype="float16", head_dim=128, group=4, block_size=16, kind=kind)
-        outs = [run(executor, case, seed=seed, partition_size=partition_size)[0]
-                for seed in range(4)]
+    for kind, partition_size, group, simdgroups in (("mixed", 0, 4, 0), ("decode", 48, 4, 0),
+                                                    ("multi_token_decode", 48, 12, 3)):
+        case = make_case(rng, dtype="float16", head_dim=128, group=group, block_size=16,
+                         kind=kind)
+        outs = [run(executor, case, seed=seed, partition_size=partition_size,
+                    decode_simdgroups=simdgroups)[0] for seed in range(4)]
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
 
@@ -247,6 +453,17 @@ _RUN_IN_CHILD = textwrap.dedent("""
 def test_bad_metadata_gives_nan_rows_and_no_out_of_bounds_read(executor, rng, tmp_path,
                                                               kind, how):
     case = make_case(rng, dtype="float16", head_dim=64, group=2, block_size=16, kind=kind)
+    _check_bad_metadata(executor, tmp_path, case, kind, how)
+
+
+@pytest.mark.parametrize("how", BAD_INPUTS)
+@pytest.mark.parametrize("kind", ["multi_token_decode", "long_decode"])
+@pytest.mark.parametrize("group", [1, 12])
+def test_bad_metadata_per_head_and_in_chunks(executor, rng, tmp_path, group, kind, how):
+    """The same NaN rows from the per-head decode kernel (a group of 1) and
+    from a group split over two grouped threadgroups (12 = 2 x 6); the test
+    above runs groups of 2 (one grouped threadgroup per KV head)."""
+    case = make_case(rng, dtype="float16", head_dim=64, group=group, block_size=16, kind=kind)
     _check_bad_metadata(executor, tmp_path, case, kind, how)
 
 

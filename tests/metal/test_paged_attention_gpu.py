@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from paged_attention_cases import (BAD_INPUTS, DTYPES, KINDS, MX_DTYPES, assert_close,
-                                   break_case, cpu_reference, make_case, mx_inputs)
+                                   break_case, cpu_reference, make_case, mx_inputs,
+                                   numpy_reference)
 from vllm_metal import ops
 
 pytestmark = pytest.mark.skipif(
@@ -25,6 +26,7 @@ def gpu(case, inputs=None):
 
 def test_gpu_uses_the_metal_kernel(monkeypatch):
     monkeypatch.delenv("VLLM_METAL_ATTENTION", raising=False)
+    ops.reload_settings()
     assert ops.attention_path(mx.gpu)[0] == "metal"
 
 
@@ -67,6 +69,20 @@ def test_gpu_head_sizes(rng, head_dim, v_head_dim, shared, kind):
                      num_kv_heads=1 if shared else 2, v_head_dim=v_head_dim, shared_kv=shared,
                      sinks=kind == "mixed")
     assert_close(gpu(case), cpu_reference(case), dtype, kind)
+
+
+# Groups past the grouped decode kernel's width at each tier (8 at d <= 128,
+# 4 at d256, 2 on the large tier): the group is split over threadgroups.
+@pytest.mark.parametrize("kind", ["decode", "multi_token_decode", "long_decode"])
+@pytest.mark.parametrize("head_dim,v_head_dim,shared,group", [(128, None, False, 12),
+                                                              (256, None, False, 6),
+                                                              (576, 512, True, 5)])
+def test_gpu_grouped_decode_in_chunks(rng, head_dim, v_head_dim, shared, group, kind):
+    dtype = DTYPES[(group + len(kind)) % 3]
+    case = make_case(rng, dtype=dtype, head_dim=head_dim, group=group, block_size=16, kind=kind,
+                     num_kv_heads=1 if shared else 2, v_head_dim=v_head_dim, shared_kv=shared,
+                     sinks=True, sliding_window=(None, 300)[len(kind) % 2])
+    assert_close(gpu(case), numpy_reference(case), dtype, kind)
 
 
 @pytest.mark.parametrize("head_dim", [1, 33, 96, 255])

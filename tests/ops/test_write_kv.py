@@ -27,7 +27,7 @@ def expected_after(cache: np.ndarray, new: np.ndarray, slots) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("form", ["list", "numpy", "mx_materialized", "mx_lazy"])
+@pytest.mark.parametrize("form", ["list", "numpy", "mx_materialized", "mx_lazy", "slot_mapping"])
 @pytest.mark.parametrize("slots", [[5, 17, 127], [5, -1, 17, -1], [-1, -1], []])
 def test_writes_exactly_the_slots(rng, dtype, form, slots):
     kc, vc = random_cache(rng, dtype=dtype)
@@ -39,12 +39,34 @@ def test_writes_exactly_the_slots(rng, dtype, form, slots):
         "numpy": np.array(slots, np.int64),
         "mx_materialized": mx.array(np.array(slots, np.int32)),
         "mx_lazy": mx.array(np.array(slots, np.int32)) + 0,  # still a graph node
+        "slot_mapping": ops.SlotMapping(np.array(slots, np.int64)),  # converted once per step
     }[form]
     kc2, vc2 = ops.write_kv(kc, vc, k, v, mapping)
     np.testing.assert_array_equal(np.array(kc2.astype(mx.float32)),
                                   expected_after(before_k, np.array(k.astype(mx.float32)), slots))
     np.testing.assert_array_equal(np.array(vc2.astype(mx.float32)),
                                   expected_after(before_v, np.array(v.astype(mx.float32)), slots))
+
+
+def test_one_slot_mapping_serves_every_layer_and_is_checked_per_cache(rng):
+    """The runner converts a step's mapping once; each layer's write checks it
+    against its own cache (sizes may differ between KV-cache groups)."""
+    mapping = ops.SlotMapping(np.array([3, -1, 60], np.int64))
+    k = mx.array(rng.standard_normal((3, 2, 32)).astype(np.float32))
+    for _ in range(3):  # several layers, one mapping
+        kc, vc = random_cache(rng)
+        before = np.array(kc)
+        kc2, _ = ops.write_kv(kc, vc, k, k, mapping)
+        np.testing.assert_array_equal(np.array(kc2), expected_after(before, np.array(k), [3, -1, 60]))
+    small_k, small_v = random_cache(rng, shape=(4, 8, 2, 32))  # 32 slots: 60 is out of range
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 60 is outside \[-1, 32\)"):
+        ops.write_kv(small_k, small_v, k, k, mapping)
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[num_tokens\] = \[2\]"):
+        ops.write_kv(small_k, small_v, k[:2], k[:2], mapping)
+    with pytest.raises(ValueError, match="must hold integers"):
+        ops.SlotMapping(np.array([1.5]))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = -2"):
+        ops.write_kv(small_k, small_v, k[:1], k[:1], ops.SlotMapping(np.array([-2])))
 
 
 def test_donated_in_place_without_peak_growth(rng):

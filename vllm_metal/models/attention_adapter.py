@@ -29,7 +29,8 @@ class StepAttentionInputs:
     # Per KV-cache group (layers with different attention specs, e.g. sliding
     # window layers, can have their own block tables).
     block_tables: list[mx.array]  # int32 [num_seqs, max_blocks]
-    slot_mappings: list[np.ndarray]  # int64 [num_tokens], host data
+    # Per group: each token's cache slot, checked and converted once per step.
+    slot_mappings: list[ops.SlotMapping]
     # Hybrid models: the rows as a padded batch for linear-attention layers
     # (models/state_slots.LinearStepInputs), else None.
     linear: object = None

@@ -8,7 +8,7 @@ reproduce, gets a clear NotImplementedError naming what is missing.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
                                                  StepAttentionInputs, check_rope)
+from vllm_metal.models.fused_projections import fuse_projections  # noqa: E402
 from vllm_metal.models.gated_delta import GatedDeltaLayer  # noqa: E402
 from vllm_metal.models.mamba2 import Mamba2Layer  # noqa: E402
 from vllm_metal.models.registry import check_served  # noqa: E402
@@ -63,6 +64,8 @@ class LoadedModel:
     layer_kv: list[LayerKV]  # per layer
     sliding_windows: list[int | None]  # per layer
     quantized: bool  # weights still MLX-quantized after loading
+    # Projection groups fused into one matmul (models/fused_projections.py): {"qkv": n, "gate_up": n}.
+    fused: dict = field(default_factory=dict)
 
     def kv_summary(self) -> str:
         """The cache shapes in words: '3 KV heads of 64' where every layer is
@@ -115,7 +118,8 @@ class LoadedModel:
         kv.step = StepAttentionInputs(
             positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
             cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
-            block_tables=[mx.array(t) for t in inputs.block_tables], slot_mappings=inputs.slot_mappings,
+            block_tables=[mx.array(t) for t in inputs.block_tables],
+            slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
             linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions) if self.has_linear else None)
         try:
             hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
@@ -175,13 +179,15 @@ def _has_quantized(model: nn.Module) -> bool:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
-               materialize: bool = True) -> LoadedModel:
+               materialize: bool = True, fuse: bool = False) -> LoadedModel:
     """Load `model_dir` (an mlx-lm directory) for the paged path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
     MLX-quantized weights to `dtype` (MLX's CPU quantized matmul is far slower
     than BLAS, so the CPU device wants this; Metal does not). materialize=False
     leaves the weights on disk (every check still runs: `vllm-metal doctor --model`).
+    fuse: one matmul per group of projections reading the same input
+    (models/fused_projections.py; the CPU device wants this).
     """
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -242,10 +248,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                 raise NotImplementedError(
                     f"model type {config.get('model_type')!r} with rope scaling {rope_config!r} cannot be "
                     f"served by vllm-metal: {e}") from e
+    fused = fuse_projections(model, layers, PagedAttentionLayer) if fuse and materialize else {}
     if materialize:
         mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
-                       layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model))
+                       layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
+                       fused=fused)
 
 
 def _layer_kv(attention, index: int, inner: nn.Module, windows: list, earlier: list[LayerKV],

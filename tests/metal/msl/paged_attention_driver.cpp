@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "msl_runtime.h"
@@ -24,22 +25,51 @@ enum Dim {
 };
 enum Input { kQ, kK, kV, kBlockTables, kSeqLens, kCuSeqlensQ, kSinks, kInputs };
 
+PlanOverrides plan_overrides(const int* overrides) {
+  PlanOverrides o;
+  o.partition_size = overrides[0];
+  o.decode_heads = overrides[1];
+  o.decode_simdgroups = overrides[2];
+  return o;
+}
+
+// info: {1 if the prefill kernel is dispatched (after decode), decode
+// partitions, table row, head-dim class, query class, batch class, decode
+// heads per threadgroup (the most), decode chunks per KV head, decode
+// threads, decode grid x, y, z}.
+constexpr int kPlanInfo = 12;
+
+void plan_info(const PagedAttentionPlan& plan, int64_t* info, char* decode_name,
+               uint64_t decode_name_bytes) {
+  const int64_t values[kPlanInfo] = {
+      plan.has_prefill ? 1 : 0,      plan.args.num_partitions,  plan.table_row,
+      int64_t(plan.dims_class),      int64_t(plan.query_class), int64_t(plan.batch_class),
+      plan.args.decode_heads,        plan.args.decode_chunks,   plan.decode.threads,
+      plan.decode.grid[0],           plan.decode.grid[1],       plan.decode.grid[2]};
+  for (int i = 0; i < kPlanInfo; ++i) {
+    info[i] = values[i];
+  }
+  std::snprintf(decode_name, decode_name_bytes, "%s", plan.decode.name.c_str());
+}
+
 } // namespace
 
 // dims: see Dim. strides: q[3], k[4], v[4], block_tables[2], seq_lens,
 // cu_seqlens_q, sinks (elements). Input i (see Input) is the view at element
 // offsets[i] of the base buffer bases[i] (base_bytes[i] bytes); the sinks
 // (float32) are read only when has_sinks, else q sits in their slot, as in
-// eval_gpu. info receives {1 if the prefill
-// kernel is dispatched (after decode), decode partitions}. kernels: bit 0
-// runs decode (and reduce), bit 1 prefill; eval_gpu runs both (3), tests run
-// one to see which rows each writes. Returns 0, or 1 with a message.
+// eval_gpu. overrides: {partition size, decode heads per threadgroup, decode
+// simdgroups}, 0 each for the plan's own choice (PlanOverrides). info
+// receives kPlanInfo entries (see plan_info); decode_name the decode kernel's
+// name. kernels: bit 0 runs decode (and reduce), bit 1 prefill; eval_gpu
+// runs both (3), tests run one to see which rows each writes. Returns 0, or 1
+// with a message.
 extern "C" int vm_paged_attention(
     const char* dtype_name, int itemsize, const int64_t* dims, const int64_t* strides,
     void* const* bases, const uint64_t* base_bytes, const int64_t* offsets, float scale,
-    int sliding_window, float softcap, int has_sinks, int partition_size, int at_start,
-    uint64_t seed,
-    int workers, int kernels, void* out, int64_t* info, char* error, uint64_t error_bytes) {
+    int sliding_window, float softcap, int has_sinks, const int* overrides, int at_start,
+    uint64_t seed, int workers, int kernels, void* out, int64_t* info, char* decode_name,
+    uint64_t decode_name_bytes, char* error, uint64_t error_bytes) {
   try {
     PagedAttentionArgs args{};
     for (int i = 0; i < 3; ++i) args.q_strides[i] = strides[i];
@@ -64,11 +94,9 @@ extern "C" int vm_paged_attention(
     args.has_sinks = has_sinks != 0 ? 1 : 0;
 
     const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.v_head_dim * itemsize;
-    PlanOverrides overrides;
-    overrides.partition_size = partition_size;
-    const PagedAttentionPlan plan = plan_paged_attention(args, dtype_name, out_bytes, overrides);
-    info[0] = plan.has_prefill ? 1 : 0;
-    info[1] = plan.args.num_partitions;
+    const PagedAttentionPlan plan =
+        plan_paged_attention(args, dtype_name, out_bytes, plan_overrides(overrides));
+    plan_info(plan, info, decode_name, decode_name_bytes);
     if (out_bytes == 0) {
       return 0;  // eval_gpu allocates and returns without a dispatch
     }
@@ -119,9 +147,60 @@ extern "C" int vm_paged_attention(
   }
 }
 
-// The kernel name eval_gpu asks MLX for (kind: decode, prefill or reduce).
+// The kernel name eval_gpu asks MLX for (kind: decode, prefill or reduce;
+// decode_grouped: the grouped decode kernel of the tier).
 extern "C" void vm_kernel_name(const char* kind, const char* dtype_name, int head_dim,
                                int v_head_dim, char* out, uint64_t out_bytes) {
+  std::string k = kind;
+  if (k == "decode_grouped") {
+    k = decode_kind(
+        decode_group_heads(head_dim_class(head_dim_tier(head_dim, v_head_dim))));
+  }
   std::snprintf(out, out_bytes, "%s",
-                kernel_name(kind, dtype_name, head_dim, v_head_dim).c_str());
+                kernel_name(k.c_str(), dtype_name, head_dim, v_head_dim).c_str());
+}
+
+// The plan of a call from its shapes alone (dims: see Dim; contiguous
+// strides), without running anything: info and decode_name as in
+// vm_paged_attention. Returns 0, or 1 with a message.
+extern "C" int vm_paged_attention_plan(const char* dtype_name, int itemsize,
+                                       const int64_t* dims, const int* overrides,
+                                       int64_t* info, char* decode_name,
+                                       uint64_t decode_name_bytes, char* error,
+                                       uint64_t error_bytes) {
+  try {
+    PagedAttentionArgs args{};
+    args.num_tokens = int(dims[kTokens]);
+    args.num_heads = int(dims[kHeads]);
+    args.head_dim = int(dims[kHeadDim]);
+    args.v_head_dim = int(dims[kVHeadDim]);
+    args.num_blocks = int(dims[kBlocks]);
+    args.block_size = int(dims[kBlockSize]);
+    args.num_kv_heads = int(dims[kKvHeads]);
+    args.num_seqs = int(dims[kSeqs]);
+    args.max_blocks_per_seq = int(dims[kMaxBlocks]);
+    args.scale = 1.0f;
+    const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.v_head_dim * itemsize;
+    const PagedAttentionPlan plan =
+        plan_paged_attention(args, dtype_name, out_bytes, plan_overrides(overrides));
+    plan_info(plan, info, decode_name, decode_name_bytes);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_bytes, "%s", e.what());
+    return 1;
+  }
+}
+
+// Row i of kDecodeShapeTable: {head-dim class, query class, batch class,
+// decode heads, decode simdgroups, partition}. Returns the number of rows.
+extern "C" int vm_decode_shape_table(int i, int64_t* row) {
+  if (i >= 0 && i < kDecodeShapeTableRows) {
+    const DecodeShapeConfig& r = kDecodeShapeTable[i];
+    const int64_t values[6] = {int64_t(r.dims), int64_t(r.queries), int64_t(r.batch),
+                               r.decode_heads, r.decode_simdgroups, r.partition ? 1 : 0};
+    for (int j = 0; j < 6; ++j) {
+      row[j] = values[j];
+    }
+  }
+  return kDecodeShapeTableRows;
 }
