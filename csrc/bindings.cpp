@@ -10,6 +10,7 @@
 
 #include "gated_delta.h"
 #include "paged_attention.h"
+#include "swiglu.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -49,6 +50,15 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Lazy gated delta rule recurrence -> [y, state] (see vllm_metal.ops).");
+
+  m.def(
+      "swiglu",
+      &vllm_metal::swiglu,
+      "gate"_a,
+      "up"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.ops.swiglu).");
 
   m.def(
       "is_materialized",

@@ -148,13 +148,16 @@ static int pool_pending = 0;
 /* Mirrors of the two above, read without the lock by the bounded spins. */
 static atomic_long pool_generation_seen = 0;
 static atomic_int pool_pending_seen = 0;
-/* A decode step calls the kernel every few tens of microseconds: a worker
- * (and a waiting caller) spins this long before sleeping on the condition
- * variable, so back-to-back calls skip a futex wake-up each. Bounded, so an
- * idle pool or a busy machine costs at most this per call, never a spinning
- * core (OpenBLAS's spinning threads collapse when another process wants the
- * core; measured in docs/benchmarks.md). */
-enum { SPIN_NS = 50000 };
+/* A waiting caller spins up to CALLER_SPIN_NS for the workers to finish (its
+ * core has nothing else to do: the MLX stream waits for this product), and a
+ * worker up to WORKER_SPIN_NS for the next job before sleeping on the
+ * condition variable. The worker's spin is short: on two cores, Python's
+ * main thread builds the next graph between evaluations and needs the core
+ * a spinning worker would hold. Both bounded, so an idle pool or a busy
+ * machine costs at most this per call, never a spinning core (OpenBLAS's
+ * spinning threads collapse when another process wants the core; measured in
+ * docs/benchmarks.md). */
+enum { CALLER_SPIN_NS = 50000, WORKER_SPIN_NS = 10000 };
 
 static i64 now_ns(void) {
   struct timespec t;
@@ -170,7 +173,7 @@ static inline void cpu_relax(void) {
 
 /* Spins until *value != old (1) or SPIN_NS passed (0). */
 static int spin_while_long(atomic_long* value, long old) {
-  const i64 until = now_ns() + SPIN_NS;
+  const i64 until = now_ns() + WORKER_SPIN_NS;
   for (int i = 0;; ++i) {
     if (atomic_load_explicit(value, memory_order_acquire) != old) return 1;
     cpu_relax();
@@ -179,7 +182,7 @@ static int spin_while_long(atomic_long* value, long old) {
 }
 
 static int spin_until_zero(atomic_int* value) {
-  const i64 until = now_ns() + SPIN_NS;
+  const i64 until = now_ns() + CALLER_SPIN_NS;
   for (int i = 0;; ++i) {
     if (atomic_load_explicit(value, memory_order_acquire) == 0) return 1;
     cpu_relax();
@@ -298,8 +301,12 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
   pthread_mutex_lock(&pool_lock);
   pool_start_locked();
   const int workers = pool_threads;
-  /* Small products are not worth waking the pool (~64k multiply-adds). */
-  const int use_pool = workers > 1 && M * N * K >= (1 << 16);
+  /* Products under ~1M multiply-adds run on the caller alone: a decode
+   * step's 576 x 576 product took 0.031 ms there and 0.11 ms on two threads
+   * (the wake-up and the join cost more than half the product); from about
+   * 1M (576 x 1536) the two are even, and the pool wins from there (48k x 576:
+   * 4.8 against 9.5 ms). Measured in docs/benchmarks.md. */
+  const int use_pool = workers > 1 && M * N * K >= (1 << 20);
   if (use_pool) {
     pool_job = job;
     pool_pending = workers - 1;

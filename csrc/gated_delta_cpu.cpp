@@ -8,6 +8,7 @@
 #include "mlx/backend/cpu/encoder.h"
 
 #include "cpu/gated_delta_kernel.h"
+#include "cpu/isa.h"
 #include "gated_delta.h"
 
 namespace vllm_metal {
@@ -16,9 +17,7 @@ namespace {
 
 void (*select_gated_delta_kernel())(const cpu::GatedDeltaKernelArgs&) {
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  if (cpu::best_isa() != cpu::Isa::generic) {  // its AVX2 build serves AVX-512 CPUs too
     return cpu::gated_delta_avx2;
   }
 #endif

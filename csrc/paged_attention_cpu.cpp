@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/stream.h"
 
+#include "cpu/isa.h"
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_tiles.h"
 #include "paged_attention.h"
@@ -86,32 +87,22 @@ void set_cpu_prefill_rows_override(int rows) {
   cpu::prefill_rows_override() = rows > 0 ? rows : 0;
 }
 
-// The fastest variant this CPU can run, chosen once.
+// The fastest variant this CPU can run.
 void (*select_kernel())(const KernelArgs&) {
+  switch (cpu::best_isa()) {
 #if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return cpu::paged_attention_avx512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return cpu::paged_attention_avx2;
-  }
+    case cpu::Isa::avx512:
+      return cpu::paged_attention_avx512;
+    case cpu::Isa::avx2:
+      return cpu::paged_attention_avx2;
 #endif
-  return cpu::paged_attention_generic;
+    default:
+      return cpu::paged_attention_generic;
+  }
 }
 
 std::string cpu_attention_variant() {
-  const auto k = select_kernel();
-#if defined(__x86_64__) || defined(_M_X64)
-  if (k == cpu::paged_attention_avx512) return "avx512";
-  if (k == cpu::paged_attention_avx2) return "avx2";
-#endif
-  (void)k;
-  return "generic";
+  return cpu::isa_name(cpu::best_isa());
 }
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

@@ -47,18 +47,16 @@ def test_shim_is_bound():
     assert "shim" in fast_blas.status[1] and fast_blas.SHIM_NAME in fast_blas.summary()
     maps = open("/proc/self/maps").read()
     assert shim in maps and fast_blas.libraries["gemm"] in maps
-    # MLX's own matmuls arrive in the shim: one and four rows times a weight
-    # through the few-row kernel (where the CPU has it; else one row as
-    # sgemv), a vector times a matrix (x @ w, w not transposed) as sgemv, 40
-    # rows as sgemm.
+    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows times
+    # a weight through the few-row kernel (where the CPU has it), 40 as sgemm.
     before = fast_blas.shim_calls()
     w = mx.ones((32, 16))
-    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((1, 32)) @ w, mx.ones((40, 16)) @ w.T)
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T)
     after = fast_blas.shim_calls()
+    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1
     few = int(fast_blas.few_rows_supported())
-    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1 + (1 - few)
-    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + 2 * few
-    assert after["sgemm"] == before["sgemm"] + 1 + (1 - few)
+    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + few
+    assert after["sgemm"] == before["sgemm"] + 2 - few
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 300])
@@ -137,7 +135,8 @@ def _stored(op: np.ndarray, trans: int, order: int, pad: int) -> tuple[np.ndarra
 @pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29), (6, 70, 29),
                                  (40, 70, 29), (4, 9, 16), (7, 301, 43), (8, 64, 7)])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
-def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
+@pytest.mark.parametrize("few_min", [3, 1], ids=["few3", "few1"])
+def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
     m, n, k = mnk
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
@@ -148,7 +147,7 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     c_buf, ldc = _stored(c0 if beta else np.full((m, n), np.nan, np.float32), NO_TRANS, order, pad=4)
     alpha = 1.5
     previous = (fast_blas.set_gemv_max_rows(2 if gemv else 0), fast_blas.set_transpose_max_rows(32 if gemv else 0),
-                fast_blas.set_few_rows_max(8 if gemv else 0))
+                fast_blas.set_few_rows_max(8 if gemv else 0), fast_blas.set_few_rows_min(few_min))
     try:
         before = fast_blas.shim_calls()
         _sgemm()(order, ta, tb, m, n, k, alpha, a_buf.ctypes.data, lda, b_buf.ctypes.data, ldb,
@@ -158,6 +157,7 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
         fast_blas.set_gemv_max_rows(previous[0])
         fast_blas.set_transpose_max_rows(previous[1])
         fast_blas.set_few_rows_max(previous[2])
+        fast_blas.set_few_rows_min(previous[3])
     got = c_buf[:, :m].T if order == COL_MAJOR else c_buf[:, :n]
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     ref = alpha * (a64 @ b64) + (beta * c0.astype(np.float64) if beta else 0.0)
@@ -167,11 +167,11 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     assert np.all(np.isnan(pad)), "wrote outside C"
     # The rule is the row-major one; a column-major C[m,n] is a row-major C^T[n,m].
     rows, cols = (m, n) if order == ROW_MAJOR else (n, m)
-    # x[M,K] @ W[N,K]^T in the row-major view, 1..8 rows, K >= 8: the few-row kernel (AVX2
-    # CPUs), tried first; then 1-2-row (or one-column) products as sgemv.
+    # x[M,K] @ W[N,K]^T in the row-major view, few_min..8 rows, K >= 8: the few-row kernel
+    # (AVX2 CPUs), tried first; then 1-2-row (or one-column) products as sgemv.
     row_ta, row_tb = (ta, tb) if order == ROW_MAJOR else (tb, ta)
     few = (gemv and fast_blas.few_rows_supported() and row_ta == NO_TRANS and row_tb == TRANS
-           and 1 <= rows <= 8 and cols >= 2 and k >= 8)
+           and few_min <= rows <= 8 and cols >= 2 and k >= 8)
     as_gemv = gemv and not few and ((cols > 1 and rows <= 2) or (cols == 1 and rows > 1))
     # Row-major only: 3..32 rows and >= 64 columns are computed as the transpose.
     transposed = gemv and not as_gemv and not few and order == ROW_MAJOR and 3 <= rows <= 32 and cols >= 64
@@ -179,3 +179,23 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, rng):
     assert after["sgemm_few_rows"] - before["sgemm_few_rows"] == int(few)
     assert after["sgemm_transposed"] - before["sgemm_transposed"] == int(transposed)
     assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed and not few)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_few_row_kernel_on_the_pool_matches_float64(m, rng):
+    # >= 1M multiply-adds: the columns are split over the pool (smaller products stay on
+    # the caller); one and two rows reach the kernel with few_rows_min 1.
+    if not fast_blas.few_rows_supported():
+        pytest.skip("this CPU has no AVX2/FMA: the few-row kernel does not run")
+    k, n = 577, 2053  # odd sizes: K's scalar tail, N's odd column
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    previous = fast_blas.set_few_rows_min(1)
+    try:
+        before = fast_blas.shim_calls()["sgemm_few_rows"]
+        got = mx.array(x) @ mx.array(w).T
+        mx.eval(got)
+        assert fast_blas.shim_calls()["sgemm_few_rows"] == before + 1
+    finally:
+        fast_blas.set_few_rows_min(previous)
+    _check(np.array(got), x.astype(np.float64), w.T.astype(np.float64))

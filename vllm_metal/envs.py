@@ -61,8 +61,8 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
     ),
     "VLLM_METAL_CPU_THREADS": (
         None,
-        "Threads used by the CPU paged-attention and gated-delta kernels and by the BLAS shim's "
-        "few-row kernel (default: all cores).",
+        "Threads used by the CPU paged-attention, gated-delta and SwiGLU kernels and by the BLAS "
+        "shim's few-row kernel (default: all cores).",
     ),
     "VLLM_METAL_KV_DISK": (
         None,

@@ -264,16 +264,17 @@ def set_transpose_max_rows(rows: int) -> int | None:
 
 
 def set_few_rows_min(rows: int) -> int | None:
-    """Smallest row count sent to the few-row kernel (default 1; 3 restores the earlier
-    routing of 1-2-row products to OpenBLAS's sgemv). For benchmarks and tests. Returns the
-    previous setting, or None when the shim is not bound."""
+    """Smallest row count sent to the few-row kernel (default 3: 1-2-row products go to
+    OpenBLAS's sgemv, faster on a quiet machine; 1 sends them to the few-row kernel, which
+    does not collapse when another process wants a core). For benchmarks and tests. Returns
+    the previous setting, or None when the shim is not bound."""
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_few_rows_min(rows))
 
 
 def set_few_rows_max(rows: int) -> int | None:
-    """Run row-major x[M,K] @ W[N,K]^T with 1..`rows` rows through the shim's own
+    """Run row-major x[M,K] @ W[N,K]^T with few_rows_min..`rows` rows through the shim's own
     few-row kernel where the CPU has AVX2 and FMA (0: never; default 8). For
     benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
     if _shim is None:

@@ -274,7 +274,9 @@ class MetalModelRunner:
         handed = {state.req_id: prompt_logprobs.hand_over(state) for state, dropped in zip(states, discard)
                   if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
         kv_output = self._connector_output(so, connector) if connector is not None else None
-        self._pending = _PendingStep(so, logits[:len(states)].clone(), discard, handed, kv_output)
+        # A view, not a copy: the first rows of the step's own logits buffer (MLX's, writable,
+        # kept alive by the tensor), which grammar masks and the sampler may edit in place.
+        self._pending = _PendingStep(so, logits[:len(states)], discard, handed, kv_output)
         return None  # the engine calls sample_tokens next
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

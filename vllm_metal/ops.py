@@ -386,6 +386,24 @@ def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
     return slots, host
 
 
+def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
+    """silu(gate) * up (a gated MLP's activation), lazy, in gate's dtype.
+
+    On MLX's CPU device this is vllm-metal's SwiGLU primitive (16-lane
+    vectors; MLX's own CPU exp/sigmoid run through libm one element at a
+    time); on the GPU it is MLX's own (already vectorised) composition.
+    gate and up must have the same shape and floating dtype (ValueError).
+    """
+    _check_array(gate, "gate")
+    _check_array(up, "up")
+    if _device_of(stream).type != mx.DeviceType.cpu:
+        if gate.shape != up.shape or gate.dtype != up.dtype:
+            raise ValueError(f"[swiglu] gate and up must have the same shape and dtype, got "
+                             f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+        return mx.multiply(mx.multiply(gate, mx.sigmoid(gate, stream=stream), stream=stream), up, stream=stream)
+    return _ext.swiglu(gate, up, stream=stream)
+
+
 GATED_DELTA_PATHS = ("auto", "fused", "mlx-lm")
 GATED_DELTA_KEY_DIMS = (32, 64, 128, 256)  # what the primitive supports (csrc/gated_delta.h)
 GATED_DELTA_MAX_VALUE_DIM = 256

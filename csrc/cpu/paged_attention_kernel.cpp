@@ -35,6 +35,7 @@
 #endif
 
 #include "cpu/convert.h"
+#include "cpu/simd.h"
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
@@ -50,12 +51,6 @@ namespace {
 constexpr int kPartition = 512;   // keys per partition (multiple of any block size)
 constexpr int kLanes = 16;        // keys per score vector
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Sixteen floats: one AVX-512 register, two AVX2 ones, four SSE ones. GCC
-// lowers the same lane-wise operations to each, so every build computes the
-// same values lane by lane.
-using vf = float __attribute__((vector_size(64)));
-using vi = int32_t __attribute__((vector_size(64)));
 
 // Rows scored together: the accumulators (row_block x 16 floats) must stay
 // in registers: 32 vector registers on AVX-512, 16 on AVX2.
@@ -79,36 +74,7 @@ struct RowState {
   float m, l;  // max score and sum of exp(score - m)
 };
 
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
 inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
-
-// exp(x) for x <= 0 (scores minus their running max), lane-wise: Cephes'
-// expf polynomial with round-to-nearest by the 1.5 * 2^23 trick, ~1 ulp.
-// Below -87.3 it returns ~1e-38 instead of 0 (callers zero masked lanes).
-inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
-  vf v = x < lo ? lo : x;
-  v = v > hi ? hi : v;
-  const vf t = v * 1.44269504088896341f + 12582912.0f;  // round(v / ln 2) in the low bits
-  const vf k = t - 12582912.0f;
-  const vf r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi scale = (((vi)t) - 0x4B400000 + 127) << 23;  // 2^k
-  return p * (vf)scale;
-}
 
 inline float hmax(vf v) {
   float m = v[0];
@@ -155,16 +121,16 @@ void score_block(const float* q, int rows, int D, const float* kt, int kp, int n
   }
 }
 
-// acc[0:dvp] += sum_i w[i] * v[i * dvp + 0:dvp] for i in [lo, hi), in i order
-// for every element, 64 floats of acc in registers at a time.
-inline void accumulate_values(float* acc, const float* w, const float* v, int lo, int hi,
-                              int dvp) {
+// acc[0:dvp] += sum_i w[i] * v[i * stride + 0:dvp] for i in [lo, hi), in i
+// order for every element, 64 floats of acc in registers at a time.
+inline void accumulate_values(float* acc, const float* w, const float* v, int64_t stride,
+                              int lo, int hi, int dvp) {
   int c = 0;
   for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) {
     vf a0 = vload(acc + c), a1 = vload(acc + c + 16), a2 = vload(acc + c + 32),
        a3 = vload(acc + c + 48);
     for (int i = lo; i < hi; ++i) {
-      const float* vr = v + static_cast<int64_t>(i) * dvp + c;
+      const float* vr = v + static_cast<int64_t>(i) * stride + c;
       const float wi = w[i];
       a0 += wi * vload(vr);
       a1 += wi * vload(vr + 16);
@@ -179,7 +145,7 @@ inline void accumulate_values(float* acc, const float* w, const float* v, int lo
   for (; c < dvp; c += kLanes) {
     vf a = vload(acc + c);
     for (int i = lo; i < hi; ++i) {
-      a += w[i] * vload(v + static_cast<int64_t>(i) * dvp + c);
+      a += w[i] * vload(v + static_cast<int64_t>(i) * stride + c);
     }
     vstore(acc + c, a);
   }
@@ -263,6 +229,8 @@ inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2
 // Per-thread scratch, grown on demand and kept between calls.
 struct Scratch {
   std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
+  const float* vrows = nullptr;  // the block's value rows (sc.v or the cache itself)
+  int64_t vstride = 0;           // floats between consecutive value rows
   std::vector<RowState> state, part_state;
 };
 
@@ -393,8 +361,9 @@ class CpuPagedAttention {
   }
 
   // Loads keys [p0, p1) of one cache block transposed into sc.kt (head_dim x
-  // kp_, lanes past p1 - p0 zero) and their values into sc.v (rows of dvp_,
-  // zero past v_head_dim).
+  // kp_, lanes past p1 - p0 zero) and points sc.vrows at their values: the
+  // cache's own rows where they are float32 vectors, else rows of dvp_ in
+  // sc.v (converted, zero past v_head_dim).
   void load_block(int block_id, int b0, int p0, int p1, int kv_head, Scratch& sc) {
     const int D = g_.head_dim, Dv = g_.v_head_dim;
     const int n = p1 - p0;
@@ -419,8 +388,19 @@ class CpuPagedAttention {
       }
       transpose_keys(rows, D, sc.kt.data() + g0, kp_);
     }
+    const int64_t v_row0 = block_id * g_.v_st[0] + (p0 - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
+    if constexpr (std::is_same_v<T, float>) {
+      // Float32 rows of whole vectors are read in place: no copy.
+      if (g_.v_st[3] == 1 && dvp_ == Dv) {
+        sc.vrows = v_ + v_row0;
+        sc.vstride = g_.v_st[1];
+        return;
+      }
+    }
+    sc.vrows = sc.v.data();
+    sc.vstride = dvp_;
     for (int i = 0; i < n; ++i) {
-      const int64_t v_off = block_id * g_.v_st[0] + (p0 + i - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
+      const int64_t v_off = v_row0 + i * g_.v_st[1];
       float* vr = &sc.v[static_cast<int64_t>(i) * dvp_];
       load_row(v_ + v_off, g_.v_st[3], Dv, vr);
       std::fill(vr + Dv, vr + dvp_, 0.0f);
@@ -468,7 +448,7 @@ class CpuPagedAttention {
           continue;
         }
         softmax_update(&sc.scores[r * kp_], ng, lo, hi, lane, sc.part_state[r],
-                       &sc.part_acc[r * dvp_], sc.v.data());
+                       &sc.part_acc[r * dvp_], sc.vrows, sc.vstride);
       }
     }
   }
@@ -476,7 +456,7 @@ class CpuPagedAttention {
   // Online-softmax step of one row over the keys [lo, hi) of a block (its
   // scores in s, ng vectors of them).
   void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc,
-                      const float* v) {
+                      const float* v, int64_t vstride) {
     const vf neg_inf = vf{} + kNegInf;
     float mb = kNegInf;
     for (int g = 0; g < ng; ++g) {
@@ -504,7 +484,7 @@ class CpuPagedAttention {
     for (int i = lo; i < hi; ++i) {
       l += s[i];
     }
-    accumulate_values(acc, s, v, lo, hi, dvp_);
+    accumulate_values(acc, s, v, vstride, lo, hi, dvp_);
     st = {m, l};
   }
 

@@ -109,6 +109,30 @@ def test_batch_invariant(rng):
     assert np.array_equal(np.array(alone), np.array(out[0:1]))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_tiles_never_change_the_bits(rng, head_dim):
+    """The CPU kernel's rows per tile (the shape-class table, or any override)
+    are a speed choice only: a prefill's rows, and a decode row that sees the
+    same keys, get the same bits whatever the tiling (the same FMAs in the
+    same order per row), and they agree with float64."""
+    args, kwargs, out, _, expected = run_case(rng, gqa=3, head_dim=head_dim, dtype="float32", block_size=16,
+                                              new_tokens=[300, 1], context_lens=[700, 700],
+                                              sliding_window=500, softcap=40.0)
+    np.testing.assert_allclose(to_np(out), expected, atol=2e-5, rtol=1e-4)
+    try:
+        for rows in (3, 16, 48, 256):
+            ops._ext.set_cpu_tile_override(rows)
+            again = ops.paged_attention(*args, **kwargs)
+            assert np.array_equal(np.array(again), np.array(out)), f"rows per tile {rows}"
+    finally:
+        ops._ext.set_cpu_tile_override(0)
+    # The prefill's last token again, alone, as a decode step (the decode class, one-token
+    # tiles): the same bits.
+    q, kc, vc, bt, sl, cu = args
+    last = ops.paged_attention(q[299:300], kc, vc, bt[0:1], sl[0:1], mx.array([0, 1], mx.int32), **kwargs)
+    assert np.array_equal(np.array(last), np.array(out[299:300]))
+
+
 def test_strided_inputs(rng):
     # Lazy inputs may be views with arbitrary strides; the kernel reads strides.
     args, kwargs, out, _, expected = run_case(rng, gqa=2, head_dim=64, dtype="float32",

@@ -91,6 +91,30 @@ def test_groups_that_cannot_be_fused_are_left_alone():
     assert not fp.fuse_group(MLP(), ("gate_proj", "w3"), "x")  # a member missing
 
 
+def test_swiglu_probe_accepts_silu_and_refuses_other_activations():
+    mx.random.seed(2)
+    silu = MLP()
+    mx.eval(silu.parameters())
+    fp.fuse_group(silu, fp.MLP_GROUP, "fused_gate_up_proj")
+    assert fp.is_swiglu_mlp(silu)
+    x = mx.random.normal((1, 5, 24))
+    np.testing.assert_allclose(f64(fp.SwiGLUMLP(silu)(x)), f64(silu(x)), rtol=1e-5, atol=1e-6)
+
+    class GeluMLP(MLP):
+        def __call__(self, x):
+            return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+    class ClampedMLP(MLP):  # gpt-oss style limit: equal to SwiGLU for small inputs only
+        def __call__(self, x):
+            return self.down_proj(nn.silu(mx.clip(self.gate_proj(x), None, 7.0)) * self.up_proj(x))
+
+    for cls in (GeluMLP, ClampedMLP):
+        other = cls()
+        mx.eval(other.parameters())
+        fp.fuse_group(other, fp.MLP_GROUP, "fused_gate_up_proj")
+        assert not fp.is_swiglu_mlp(other), cls.__name__
+
+
 @pytest.mark.parametrize("value, device, expected", [
     ("auto", "cpu", True), ("auto", "gpu", False), ("1", "gpu", True), ("0", "cpu", False)])
 def test_setting(monkeypatch, value, device, expected):
@@ -109,7 +133,8 @@ def test_embedded_model_fuses_every_layer(model_dir):
 
     plain = load_model(model_dir, dequantize=True)
     fused = load_model(model_dir, dequantize=True, fuse=True)
-    assert plain.fused == {} and fused.fused == {"qkv": 30, "gate_up": 30}
+    assert plain.fused == {} and fused.fused == {"qkv": 30, "gate_up": 30, "swiglu": 30}
+    assert isinstance(fused.model.model.layers[0].mlp, fp.SwiGLUMLP)
     size = lambda m: sum(v.nbytes for _, v in tree_flatten(m.model.parameters()))  # noqa: E731
     assert size(fused) == size(plain)
     attn = fused.model.model.layers[0].self_attn.inner

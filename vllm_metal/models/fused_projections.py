@@ -15,6 +15,11 @@ rows of the fused weight (and the group stops fusing).
 Each output column is the same dot product as before (the same weights row,
 the same input), so results match the unfused model up to the BLAS's
 blocking; the golden and parity tests are run with fusion on.
+
+A fused MLP that is proven, by a numerical probe at load, to compute
+down(silu(gate) * up) is also wrapped by `SwiGLUMLP`, which runs the
+activation through `ops.swiglu` (vllm-metal's vectorised primitive on MLX's
+CPU device, where MLX's own sigmoid goes through libm one element at a time).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_metal import envs
+from vllm_metal import envs, ops
 
 # (attribute names read from one module, the module's role): the groups fused.
 ATTENTION_GROUP = ("q_proj", "k_proj", "v_proj")
@@ -127,19 +132,61 @@ def fuse_group(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
     return True
 
 
+class SwiGLUMLP(nn.Module):
+    """A gated MLP whose gate/up are fused, computing down(silu(gate) * up)
+    with the activation in one `ops.swiglu` call. Only built for MLPs the
+    probe (`is_swiglu_mlp`) proved compute exactly that."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.split = inner.gate_proj.weight.shape[0]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.inner.fused_gate_up_proj(x), [self.split], axis=-1)
+        return self.inner.down_proj(ops.swiglu(gate, up))
+
+
+def is_swiglu_mlp(mlp: nn.Module) -> bool:
+    """Whether the fused MLP computes down(silu(gate) * up): its own call
+    against that formula on random inputs at two scales (large inputs show
+    clamps or other activations), within float rounding."""
+    if not isinstance(getattr(mlp, "down_proj", None), nn.Linear) or "fused_gate_up_proj" not in mlp:
+        return False
+    wrapper = SwiGLUMLP(mlp)
+    dim = mlp.fused_gate_up_proj.weight.shape[1]
+    dtype = mlp.fused_gate_up_proj.weight.dtype
+    for scale in (1.0, 30.0):
+        x = (scale * mx.random.normal((1, 3, dim), key=mx.random.key(7))).astype(dtype)
+        try:
+            theirs, ours = mlp(x), wrapper(x)
+            same = theirs.shape == ours.shape and mx.allclose(theirs.astype(mx.float32), ours.astype(mx.float32),
+                                                             rtol=2e-2 if dtype != mx.float32 else 1e-4,
+                                                             atol=1e-3).item()
+        except Exception:  # noqa: BLE001 -- whatever it raises, the answer is "not this formula"
+            return False
+        if not same:
+            return False
+    return True
+
+
 def fuse_projections(model: nn.Module, layers: list, attention_class: type) -> dict[str, int]:
     """Fuses q/k/v of every layer whose attention is `attention_class`'s own
     call (the generic paged adapter, which calls the three projections on one
-    input) and gate/up of every layer's `mlp`. Returns how many of each."""
-    counts = {"qkv": 0, "gate_up": 0}
+    input) and gate/up of every layer's `mlp`, wrapping the MLPs the probe
+    proves are SwiGLU. Returns how many of each."""
+    counts = {"qkv": 0, "gate_up": 0, "swiglu": 0}
     for layer in layers:
         attn = layer.get("self_attn", None) if isinstance(layer, dict) else None
         if attn is not None and type(attn).__call__ is attention_class.__call__ \
                 and not getattr(attn, "packed_qkv", True):
             counts["qkv"] += fuse_group(attn.inner, ATTENTION_GROUP, "fused_qkv_proj")
         mlp = layer.get("mlp", None) if isinstance(layer, dict) else None
-        if isinstance(mlp, nn.Module):
-            counts["gate_up"] += fuse_group(mlp, MLP_GROUP, "fused_gate_up_proj")
+        if isinstance(mlp, nn.Module) and fuse_group(mlp, MLP_GROUP, "fused_gate_up_proj"):
+            counts["gate_up"] += 1
+            if is_swiglu_mlp(mlp):
+                layer.mlp = SwiGLUMLP(mlp)
+                counts["swiglu"] += 1
     return counts
 
 

@@ -1,0 +1,30 @@
+// Which of the instruction sets the CPU kernels are compiled for (CMakeLists
+// add_cpu_kernel_variant) this CPU runs, detected once. Each primitive's
+// eval_cpu picks its kernel variant from it.
+#pragma once
+
+namespace vllm_metal::cpu {
+
+enum class Isa { generic, avx2, avx512 };  // avx2: + FMA + F16C; avx512: F/VL/BW/DQ + avx2
+
+inline Isa best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    return avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+  }();
+  return isa;
+#else
+  return Isa::generic;
+#endif
+}
+
+inline const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic";
+}
+
+} // namespace vllm_metal::cpu
