@@ -109,7 +109,7 @@ def attention_path(stream=None) -> tuple[str, str]:
     if _settings["attention"] == "reference":
         return "reference", "VLLM_METAL_ATTENTION=reference"
     if device.type == mx.DeviceType.cpu:
-        return "cpu", "native C++ primitive on MLX's CPU device"
+        return "cpu", f"native C++ primitive on MLX's CPU device ({_ext.cpu_attention_variant()} kernel)"
     if _ext.HAS_METAL:
         return "metal", "native Metal kernel on MLX's GPU device"
     return "reference", "this build has no native kernel for MLX's GPU device"
