@@ -17,11 +17,11 @@ namespace {
 
 void (*select_gated_delta_kernel())(const cpu::GatedDeltaKernelArgs&) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (cpu::best_isa() != cpu::Isa::generic) {  // its AVX2 build serves AVX-512 CPUs too
-    return cpu::gated_delta_avx2;
-  }
-#endif
+  // No AVX-512 build: its AVX2 build serves AVX-512 CPUs too.
+  return cpu::pick_variant(&cpu::gated_delta_generic, &cpu::gated_delta_avx2, &cpu::gated_delta_avx2);
+#else
   return cpu::gated_delta_generic;
+#endif
 }
 
 // dst (row-contiguous [B, Hv, Dv, Dk]) = src in any layout.

@@ -89,16 +89,12 @@ void set_cpu_prefill_rows_override(int rows) {
 
 // The fastest variant this CPU can run.
 void (*select_kernel())(const KernelArgs&) {
-  switch (cpu::best_isa()) {
 #if defined(__x86_64__) || defined(_M_X64)
-    case cpu::Isa::avx512:
-      return cpu::paged_attention_avx512;
-    case cpu::Isa::avx2:
-      return cpu::paged_attention_avx2;
+  return cpu::pick_variant(&cpu::paged_attention_generic, &cpu::paged_attention_avx2,
+                           &cpu::paged_attention_avx512);
+#else
+  return cpu::paged_attention_generic;
 #endif
-    default:
-      return cpu::paged_attention_generic;
-  }
 }
 
 std::string cpu_attention_variant() {

@@ -12,16 +12,11 @@ namespace vllm_metal {
 namespace {
 
 void (*select_swiglu_kernel())(const cpu::SwigluArgs&) {
-  switch (cpu::best_isa()) {
 #if defined(__x86_64__) || defined(_M_X64)
-    case cpu::Isa::avx512:
-      return cpu::swiglu_avx512;
-    case cpu::Isa::avx2:
-      return cpu::swiglu_avx2;
+  return cpu::pick_variant(&cpu::swiglu_generic, &cpu::swiglu_avx2, &cpu::swiglu_avx512);
+#else
+  return cpu::swiglu_generic;
 #endif
-    default:
-      return cpu::swiglu_generic;
-  }
 }
 
 } // namespace

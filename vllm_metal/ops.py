@@ -276,27 +276,15 @@ def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache
 
     num_slots = num_blocks * block_size
     num_tokens = news[0].shape[0]
-    slots, host = _slot_array(slot_mapping, num_tokens, num_slots)
-    if isinstance(slots, SlotMapping):  # checked and converted once per step
-        if slots.keep.size == 0:
-            return list(caches)
-        if slots.all_real:
-            return [_scatter(c, x, slots.slots, lambda new, _: new) for c, x in zip(caches, news)]
-        pick = slots.pick
-        return [_scatter(c, x, slots.slots, lambda new, _: new[pick]) for c, x in zip(caches, news)]
-
-    scatter = _scatter
-
-    if host is not None:
+    slots = _slot_array(slot_mapping, num_tokens, num_slots)
+    if isinstance(slots, SlotMapping):
         # Known slots (the normal case): scatter only the real writes. The
         # cache is read by nothing here, so the scatter can be donated.
-        keep = np.nonzero(host >= 0)[0]
-        if keep.size == 0:
+        if slots.keep.size == 0:
             return list(caches)
-        if keep.size < host.size:
-            slots, pick = mx.array(host[keep]), mx.array(keep.astype(np.int32))
-            return [scatter(c, x, slots, lambda new, _: new[pick]) for c, x in zip(caches, news)]
-        return [scatter(c, x, slots, lambda new, _: new) for c, x in zip(caches, news)]
+        pick = slots.pick
+        what = (lambda new, _: new) if pick is None else (lambda new, _: new[pick])
+        return [_scatter(c, x, slots.slots, what) for c, x in zip(caches, news)]
 
     if num_tokens == 0:
         return list(caches)
@@ -313,38 +301,34 @@ def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache
         anchor_value = mx.where(any_valid, new[first], flat[0])
         return mx.where(valid[:, None, None], new, anchor_value)
 
-    return [scatter(c, x, safe_slots, anchored) for c, x in zip(caches, news)]
+    return [_scatter(c, x, safe_slots, anchored) for c, x in zip(caches, news)]
 
 
 class SlotMapping:
-    """A step's host slot mapping, checked and converted once and then used by
-    every layer's `write_kv` (instead of each layer converting the numpy array
-    again): the real writes' slots as an mx.array, and which tokens they are
-    when some tokens write nothing (-1)."""
+    """Slots known on the host, checked and converted once: the real writes'
+    slots as an mx.array, and which tokens they are when some tokens write
+    nothing (-1). The runner builds one per step and KV-cache group, so every
+    layer's `write_kv` reuses it instead of converting the numpy array again;
+    `write_kv` makes one from any other host data."""
 
     def __init__(self, slot_mapping):
         host = np.asarray(slot_mapping)
         if host.size and not np.issubdtype(host.dtype, np.integer):
             raise ValueError(f"slot_mapping must hold integers, got dtype {host.dtype}")
-        if host.ndim != 1:
-            raise ValueError(f"slot_mapping must be one-dimensional, got shape {host.shape}")
         self.host = host.astype(np.int64)
         self.low = int(self.host.min()) if host.size else 0
         self.high = int(self.host.max()) if host.size else -1
-        self.keep = np.nonzero(self.host >= 0)[0]
-        self.all_real = self.keep.size == self.host.size
-        self.slots = mx.array(self.host if self.all_real else self.host[self.keep])
-        self.pick = None if self.all_real else mx.array(self.keep.astype(np.int32))
-
-    def __len__(self) -> int:
-        return int(self.host.size)
+        self.keep = np.nonzero(self.host.reshape(-1) >= 0)[0]
+        real = self.keep.size == self.host.size
+        self.slots = mx.array(self.host if real else self.host.reshape(-1)[self.keep])
+        self.pick = None if real else mx.array(self.keep.astype(np.int32))
 
     def check(self, num_tokens: int, num_slots: int) -> None:
-        if self.host.size != num_tokens:
+        """Raises ValueError unless this maps num_tokens tokens into [-1, num_slots)."""
+        if self.host.shape != (num_tokens,):
             raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], got shape {self.host.shape}")
         if self.low < -1 or self.high >= num_slots:
-            bad = np.nonzero((self.host < -1) | (self.host >= num_slots))[0]
-            i = int(bad[0])
+            i = int(np.nonzero((self.host < -1) | (self.host >= num_slots))[0][0])
             raise ValueError(f"slot_mapping[{i}] = {int(self.host[i])} is outside [-1, {num_slots}) "
                              f"(num_blocks x block_size slots; -1 means no write)")
 
@@ -357,33 +341,25 @@ def _scatter(cache, new, where, what):
 
 
 def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
-    """(slots as mx.array, the same as numpy when known on the host, else None)."""
-    if isinstance(slot_mapping, SlotMapping):
-        slot_mapping.check(num_tokens, num_slots)
-        return slot_mapping, slot_mapping.host
+    """A checked SlotMapping when the slots are known on the host (host data,
+    or an already-computed mx.array), else the lazy mx.array (shape and dtype
+    checked; its values are only known at evaluation)."""
     if isinstance(slot_mapping, mx.array):
-        slots = slot_mapping
-        host = np.array(slots) if _ext.is_materialized(slots) else None
+        if slot_mapping.ndim != 1 or slot_mapping.shape[0] != num_tokens:
+            raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], "
+                             f"got shape {tuple(slot_mapping.shape)}")
+        if not mx.issubdtype(slot_mapping.dtype, mx.integer):
+            raise ValueError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
+        if not _ext.is_materialized(slot_mapping):
+            return slot_mapping
+        slot_mapping = SlotMapping(np.array(slot_mapping))
     elif isinstance(slot_mapping, (np.ndarray, list, tuple)):
-        host = np.asarray(slot_mapping)
-        if host.size and not np.issubdtype(host.dtype, np.integer):
-            raise ValueError(f"slot_mapping must hold integers, got dtype {host.dtype}")
-        slots = mx.array(host.astype(np.int64))
-    else:
+        slot_mapping = SlotMapping(slot_mapping)
+    elif not isinstance(slot_mapping, SlotMapping):
         raise TypeError("slot_mapping must be an mx.array (or numpy array/list), "
                         f"got {type(slot_mapping).__name__}")
-    if slots.ndim != 1 or slots.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], "
-                         f"got shape {tuple(slots.shape)}")
-    if not mx.issubdtype(slots.dtype, mx.integer):
-        raise ValueError(f"slot_mapping must be an integer array, got {slots.dtype}")
-    if host is not None and host.size:
-        bad = np.nonzero((host < -1) | (host >= num_slots))[0]
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"slot_mapping[{i}] = {int(host[i])} is outside [-1, {num_slots}) "
-                             f"(num_blocks x block_size slots; -1 means no write)")
-    return slots, host
+    slot_mapping.check(num_tokens, num_slots)
+    return slot_mapping
 
 
 def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:

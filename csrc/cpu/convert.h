@@ -14,9 +14,15 @@
 #include <immintrin.h>
 #endif
 
+namespace mx = mlx::core;
+
 namespace vllm_metal::cpu {
 
-namespace mx = mlx::core;
+// Everything here has internal linkage (an unnamed namespace): each kernel
+// source is compiled once per instruction set into the same library, and
+// inline functions with external linkage would be merged by the linker into
+// one copy, possibly an AVX-512 one called on a CPU without it.
+namespace {
 
 inline void load_row(const float* src, int64_t stride, int n, float* dst) {
   if (stride == 1) {
@@ -80,5 +86,7 @@ inline float* scaled_row_buffer(int n) {
   row.resize(n);
   return row.data();
 }
+
+} // namespace
 
 } // namespace vllm_metal::cpu

@@ -1,6 +1,7 @@
 // Which of the instruction sets the CPU kernels are compiled for (CMakeLists
-// add_cpu_kernel_variant) this CPU runs, detected once. Each primitive's
-// eval_cpu picks its kernel variant from it.
+// add_cpu_kernel_variant) this CPU runs, detected once, and the pick of a
+// kernel's build from it (x86-64 only: elsewhere every primitive's eval_cpu
+// uses its generic build).
 #pragma once
 
 namespace vllm_metal::cpu {
@@ -21,6 +22,20 @@ inline Isa best_isa() {
 #else
   return Isa::generic;
 #endif
+}
+
+// The build of a kernel for this CPU, among its generic, AVX2 and AVX-512
+// builds (pass the AVX2 build twice for a kernel without an AVX-512 one).
+template <typename F>
+F pick_variant(F generic, F avx2, F avx512) {
+  switch (best_isa()) {
+    case Isa::avx512:
+      return avx512;
+    case Isa::avx2:
+      return avx2;
+    default:
+      return generic;
+  }
 }
 
 inline const char* isa_name(Isa isa) {

@@ -30,12 +30,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "cpu/convert.h"
 #include "cpu/simd.h"
+#include "cpu/paged_attention_blocks.h"
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
@@ -49,16 +46,7 @@ namespace vllm_metal::cpu {
 namespace {
 
 constexpr int kPartition = 512;   // keys per partition (multiple of any block size)
-constexpr int kLanes = 16;        // keys per score vector
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Rows scored together: the accumulators (row_block x 16 floats) must stay
-// in registers: 32 vector registers on AVX-512, 16 on AVX2.
-#if defined(__AVX512F__)
-constexpr int kMaxRowBlock = 8;
-#else
-constexpr int kMaxRowBlock = 4;
-#endif
 
 // One independent piece of work.
 struct Unit {
@@ -75,140 +63,6 @@ struct RowState {
 };
 
 inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
-
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int j = 1; j < kLanes; ++j) m = std::max(m, v[j]);
-  return m;
-}
-
-// scores[r][0 : ng * 16] = q[r] . keys, for RB rows; kt is head_dim x kp.
-template <int RB>
-inline void score_rows(const float* q, int D, const float* kt, int kp, int ng, float* scores) {
-  for (int g = 0; g < ng; ++g) {
-    vf acc[RB] = {};
-    const float* col = kt + g * kLanes;
-    for (int d = 0; d < D; ++d) {
-      const vf k = vload(col + static_cast<int64_t>(d) * kp);
-      for (int r = 0; r < RB; ++r) {
-        acc[r] += q[r * D + d] * k;
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      vstore(scores + r * kp + g * kLanes, acc[r]);
-    }
-  }
-}
-
-void score_block(const float* q, int rows, int D, const float* kt, int kp, int ng,
-                 float* scores, int row_block) {
-  int r = 0;
-  for (; r < rows;) {
-    const int n = std::min(rows - r, row_block);
-    const float* qr = q + r * D;
-    float* sr = scores + r * kp;
-    switch (n) {
-      case 8: score_rows<8>(qr, D, kt, kp, ng, sr); break;
-      case 7: score_rows<7>(qr, D, kt, kp, ng, sr); break;
-      case 6: score_rows<6>(qr, D, kt, kp, ng, sr); break;
-      case 5: score_rows<5>(qr, D, kt, kp, ng, sr); break;
-      case 4: score_rows<4>(qr, D, kt, kp, ng, sr); break;
-      case 3: score_rows<3>(qr, D, kt, kp, ng, sr); break;
-      case 2: score_rows<2>(qr, D, kt, kp, ng, sr); break;
-      default: score_rows<1>(qr, D, kt, kp, ng, sr); break;
-    }
-    r += n;
-  }
-}
-
-// acc[0:dvp] += sum_i w[i] * v[i * stride + 0:dvp] for i in [lo, hi), in i
-// order for every element, 64 floats of acc in registers at a time.
-inline void accumulate_values(float* acc, const float* w, const float* v, int64_t stride,
-                              int lo, int hi, int dvp) {
-  int c = 0;
-  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) {
-    vf a0 = vload(acc + c), a1 = vload(acc + c + 16), a2 = vload(acc + c + 32),
-       a3 = vload(acc + c + 48);
-    for (int i = lo; i < hi; ++i) {
-      const float* vr = v + static_cast<int64_t>(i) * stride + c;
-      const float wi = w[i];
-      a0 += wi * vload(vr);
-      a1 += wi * vload(vr + 16);
-      a2 += wi * vload(vr + 32);
-      a3 += wi * vload(vr + 48);
-    }
-    vstore(acc + c, a0);
-    vstore(acc + c + 16, a1);
-    vstore(acc + c + 32, a2);
-    vstore(acc + c + 48, a3);
-  }
-  for (; c < dvp; c += kLanes) {
-    vf a = vload(acc + c);
-    for (int i = lo; i < hi; ++i) {
-      a += w[i] * vload(v + static_cast<int64_t>(i) * stride + c);
-    }
-    vstore(acc + c, a);
-  }
-}
-
-// kt[d * kp + i] = rows[i][d] for i < 16, d < D: sixteen float32 key rows
-// (absent ones point at zeros) transposed into key-across-lanes columns,
-// in registers where the instruction set allows.
-inline void transpose_keys(const float* const* rows, int D, float* kt, int64_t kp) {
-  int d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= D; d += 16) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d);
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-      const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-      const __m512d c = _mm512_castps_pd(t[4 * i + 1]), e = _mm512_castps_pd(t[4 * i + 3]);
-      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
-      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
-    }
-    for (int i = 0; i < 2; ++i) {
-      for (int j = 0; j < 4; ++j) {
-        t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-        t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-      }
-    }
-    for (int j = 0; j < 8; ++j) {
-      _mm512_storeu_ps(kt + (d + j) * kp, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
-      _mm512_storeu_ps(kt + (d + 8 + j) * kp, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
-    }
-  }
-#elif defined(__AVX2__)
-  for (; d + 8 <= D; d += 8) {
-    for (int h = 0; h < 16; h += 8) {
-      __m256 r[8], t[8], u[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[h + i] + d);
-      for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-      }
-      for (int i = 0; i < 2; ++i) {
-        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-      }
-      for (int j = 0; j < 4; ++j) {
-        _mm256_storeu_ps(kt + (d + j) * kp + h, _mm256_permute2f128_ps(u[j], u[4 + j], 0x20));
-        _mm256_storeu_ps(kt + (d + 4 + j) * kp + h, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
-      }
-    }
-  }
-#endif
-  for (; d < D; ++d) {
-    for (int i = 0; i < 16; ++i) kt[d * kp + i] = rows[i][d];
-  }
-}
 
 // Merges state (m2, l2, acc2) into (m1, l1, acc1); the one combine rule used
 // for partitions (in place or from partials).

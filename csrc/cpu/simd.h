@@ -10,9 +10,16 @@
 
 namespace vllm_metal::cpu {
 
+// Everything here has internal linkage (an unnamed namespace): each kernel
+// source is compiled once per instruction set into the same library, and
+// inline functions with external linkage would be merged by the linker into
+// one copy, possibly an AVX-512 one called on a CPU without it.
+namespace {
+
 // Sixteen floats: one AVX-512 register, two AVX2 ones, four SSE ones. GCC
 // lowers the same lane-wise operations to each, so every build computes the
 // same values lane by lane.
+constexpr int kLanes = 16;  // floats per vector
 using vf = float __attribute__((vector_size(64)));
 using vi = int32_t __attribute__((vector_size(64)));
 
@@ -44,5 +51,7 @@ inline vf vexp(vf x) {
   const vi scale = (((vi)t) - 0x4B400000 + 127) << 23;  // 2^k
   return p * (vf)scale;
 }
+
+} // namespace
 
 } // namespace vllm_metal::cpu

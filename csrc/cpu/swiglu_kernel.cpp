@@ -19,7 +19,6 @@ namespace vllm_metal::cpu {
 
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int64_t kChunk = 16384;  // elements per task (64 KiB of float32 per operand)
 
 inline vf silu_times(vf g, vf u) {

@@ -64,7 +64,7 @@ class LoadedModel:
     layer_kv: list[LayerKV]  # per layer
     sliding_windows: list[int | None]  # per layer
     quantized: bool  # weights still MLX-quantized after loading
-    # Projection groups fused into one matmul (models/fused_projections.py): {"qkv": n, "gate_up": n}.
+    # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
     fused: dict = field(default_factory=dict)
 
     def kv_summary(self) -> str:
