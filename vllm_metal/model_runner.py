@@ -5,6 +5,15 @@ every request (decode, prefill, chunked prefill) into one varlen batch, build
 the whole forward pass -- every layer's K/V write and paged attention -- as a
 single lazy MLX graph, and evaluate it once together with the new caches.
 sample_tokens: apply the grammar bitmask and sample with vLLM's Sampler.
+
+With vLLM's async scheduling (its default; --no-async-scheduling turns it
+off) the evaluation is started, not awaited (`mx.async_eval`), and
+sample_tokens hands back an AsyncModelRunnerOutput: the engine schedules the
+next step and processes the previous step's output while this one computes.
+A step is finished (waited for, sampled) when its output is asked for or,
+at the latest, when the next execute_model arrives -- always before the
+persistent batch changes, so the tokens, the order of random draws and the
+logits processors' state are exactly those of synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, KVConnectorOutput, LogprobsTensors,
+                              ModelRunnerOutput)
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -28,7 +38,7 @@ from vllm_metal import envs, prompt_logprobs
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
-from vllm_metal.persistent_batch import PersistentBatch
+from vllm_metal.persistent_batch import PersistentBatch, RequestState
 from vllm_metal.sampling import sample
 from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
 
@@ -40,11 +50,38 @@ MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16
 
 @dataclass
 class _PendingStep:
+    """One engine step from execute_model until its ModelRunnerOutput exists."""
+
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor  # [num_rows, vocab] float32: each row's last token
-    discard: list[bool]  # rows still in chunked prefill: no token this step
-    prompt_logprobs: dict[str, LogprobsTensors | None]
+    states: list[RequestState]  # the step's rows, in batch order
+    discard: list[bool]  # rows still in chunked prefill (or failed KV loads): no token this step
+    prompt_rows: list[tuple[RequestState, int, int]]  # (state, first position, rows) of prompt scores
+    logits_mx: mx.array | None  # [rows + prompt rows, vocab] float32, evaluated or being evaluated
     kv_connector_output: KVConnectorOutput | None = None
+    # Filled when the logits reach the host (collect):
+    logits: torch.Tensor | None = None  # [num_rows, vocab]: each row's last token
+    prompt_logprobs: dict[str, LogprobsTensors | None] | None = None
+    # Set by sample_tokens / finish:
+    sample_requested: bool = False
+    grammar_output: GrammarOutput | None = None
+    output: ModelRunnerOutput | None = None
+    error: BaseException | None = None
+
+
+class _AsyncStepOutput(AsyncModelRunnerOutput):
+    """What sample_tokens returns under async scheduling: the engine calls
+    get_output once, after it has scheduled (and usually started) the next
+    step. The step may already be finished by then (the next execute_model
+    finishes it first); then this only hands the output over."""
+
+    def __init__(self, runner: MetalModelRunner, step: _PendingStep):
+        self._runner, self._step = runner, step
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._runner._finish(self._step)
+
+    def get_kv_connector_output(self) -> KVConnectorOutput | None:
+        return self._step.kv_connector_output
 
 
 class MetalModelRunner:
@@ -53,6 +90,8 @@ class MetalModelRunner:
         self.model_config = vllm_config.model_config
         self.device = device
         self.sync_per_layer = envs.get_bool("VLLM_METAL_SYNC_PER_LAYER")
+        # vLLM decides (on by default, --no-async-scheduling): see the module docstring.
+        self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), False, is_pooling_model=False,
                                              custom_logitsprocs=self.model_config.logits_processors or ())
@@ -66,6 +105,9 @@ class MetalModelRunner:
         # evaluations made; equal unless VLLM_METAL_SYNC_PER_LAYER=1.
         self.forward_passes = 0
         self.evaluations = 0
+        # Steps whose output was still unasked for when the next step arrived
+        # (async scheduling: the engine ran ahead; tests read it).
+        self.finished_by_next_step = 0
         self._pending: _PendingStep | None = None
         # The worker side of a KV connector (--kv-transfer-config: our disk
         # cache), driven here as vLLM's GPU runner drives its connector.
@@ -201,6 +243,15 @@ class MetalModelRunner:
         self.evaluations += 1
         mx.eval(*arrays)
 
+    def _start_evaluation(self, *arrays) -> None:
+        """The step's one evaluation, awaited now (synchronous scheduling) or
+        only started (async scheduling: awaited in _collect)."""
+        if not self.async_scheduling:
+            self._evaluate(*arrays)
+            return
+        self.evaluations += 1
+        mx.async_eval(*arrays)
+
     def _forward(self, inputs, logit_rows: np.ndarray) -> np.ndarray:
         """The whole model over the packed step, evaluated once (or per layer)."""
         kv = self.kv
@@ -210,6 +261,13 @@ class MetalModelRunner:
         return np.array(logits, copy=False)
 
     def execute_model(self, so: SchedulerOutput):
+        # The previous step is finished before the batch changes (async
+        # scheduling: its output may not have been asked for yet).
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.sample_requested:
+            if pending.output is None and pending.error is None:
+                self.finished_by_next_step += 1
+            self._finish(pending)
         connector = self.kv_connector
         if connector is None:
             return self._execute(so, None)
@@ -232,7 +290,6 @@ class MetalModelRunner:
 
     def _execute(self, so: SchedulerOutput, connector):
         self.batch.update(so)
-        self._pending = None
         if so.total_num_scheduled_tokens == 0 or not self.batch.rows:
             if connector is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
@@ -247,60 +304,101 @@ class MetalModelRunner:
             # step: it samples nothing (vLLM recomputes it from the bad block).
             failed_loads = connector.failed_load_req_ids
         states = self.batch.states()
-        rows, discard, logit_rows, prompt_rows = [], [], [], []
+        rows, discard, logit_rows, prompt_rows, extra = [], [], [], [], []
         offset = 0
         for state in states:
             n = so.num_scheduled_tokens[state.req_id]
             start = state.num_computed_tokens
-            rows.append(ScheduledRow(state.tokens(start, start + n), start, state.block_ids))
+            rows.append(ScheduledRow(state.tokens(start, start + n), start))
             # still prefilling: no token this step
             discard.append(start + n < state.num_tokens or state.req_id in failed_loads)
             logit_rows.append(offset + n - 1)
             m = prompt_logprobs.rows_this_step(state, start, n) if state.req_id not in failed_loads else 0
             if m:
-                prompt_rows.append((state, start, offset, m))
+                prompt_rows.append((state, start, m))
+                extra.extend(range(offset, offset + m))  # after every row's last token
             offset += n
-        inputs = build_step_inputs(rows, self.block_sizes, self.group_windows)
-        extra = [offset_ + j for _, _, offset_, m in prompt_rows for j in range(m)]
-        logits = torch.from_numpy(self._forward(inputs, np.array(logit_rows + extra, np.int64)))
+        inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
+        kv = self.kv
+        self.forward_passes += 1
+        logits = self.mlx_model.forward(kv, inputs, np.array(logit_rows + extra, np.int64))
+        self._start_evaluation(logits, kv.arrays())
+        step = _PendingStep(so, states, discard, prompt_rows, logits)
+        if not self.async_scheduling:
+            self._collect(step)
+        # A disk save reads the written blocks: it waits for the evaluation
+        # (the platform keeps async scheduling off with a connector).
+        step.kv_connector_output = self._connector_output(so, connector) if connector is not None else None
+        self._pending = step
+        return None  # the engine calls sample_tokens next
 
-        cursor = len(states)
-        for state, start, _, m in prompt_rows:
+    def _collect(self, step: _PendingStep) -> None:
+        """The step's logits to the host (waiting for its evaluation), its
+        prompt scores recorded and, for rows that sample now, handed over."""
+        if step.logits is not None:
+            return
+        mx.eval(step.logits_mx, self.kv.arrays())  # a no-op when already evaluated
+        logits = torch.from_numpy(np.array(step.logits_mx, copy=False))
+        step.logits_mx = None
+        cursor = len(step.states)
+        for state, start, m in step.prompt_rows:
             prompt_logprobs.record(state, logits[cursor:cursor + m], start, self.vocab_size,
                                    self.model_config.logprobs_mode)
             cursor += m
         # Handed over with the step that samples the request's first token,
         # exactly once (never with a partial prefill, never after a resume).
-        handed = {state.req_id: prompt_logprobs.hand_over(state) for state, dropped in zip(states, discard)
-                  if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
-        kv_output = self._connector_output(so, connector) if connector is not None else None
+        step.prompt_logprobs = {state.req_id: prompt_logprobs.hand_over(state)
+                                for state, dropped in zip(step.states, step.discard)
+                                if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
         # A view, not a copy: the first rows of the step's own logits buffer (MLX's, writable,
         # kept alive by the tensor), which grammar masks and the sampler may edit in place.
-        self._pending = _PendingStep(so, logits[:len(states)], discard, handed, kv_output)
-        return None  # the engine calls sample_tokens next
+        step.logits = logits[:len(step.states)]
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def sample_tokens(self, grammar_output: GrammarOutput | None):
+        step = self._pending
+        if step is None or step.sample_requested:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        states = self.batch.states()
-        if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, self.batch, pending.logits)
-        out = sample(self.sampler, pending.logits, states, pending.discard, self.vocab_size, self.logitsprocs)
+        step.sample_requested, step.grammar_output = True, grammar_output
+        if self.async_scheduling:
+            return _AsyncStepOutput(self, step)
+        self._pending = None
+        return self._finish(step)
+
+    def _finish(self, step: _PendingStep) -> ModelRunnerOutput:
+        """Waits for the step, samples it and builds its output, once; a
+        failure (an evaluation error surfaces here) is kept and raised again
+        to whoever asks for the output later."""
+        if step.output is None and step.error is None:
+            try:
+                step.output = self._sample(step)
+            except BaseException as e:
+                step.error = e
+                raise
+        if step.error is not None:
+            raise step.error
+        return step.output
+
+    def _sample(self, step: _PendingStep) -> ModelRunnerOutput:
+        self._collect(step)
+        states = step.states
+        if step.grammar_output is not None:
+            apply_grammar_bitmask(step.scheduler_output, step.grammar_output, self.batch, step.logits)
+        out = sample(self.sampler, step.logits, states, step.discard, self.vocab_size, self.logitsprocs)
         sampled = out.sampled_token_ids.tolist()
         tokens: list[list[int]] = []
-        for state, row, dropped in zip(states, sampled, pending.discard):
+        for state, row, dropped in zip(states, sampled, step.discard):
             if dropped:
                 tokens.append([])
                 continue
             state.output_token_ids.extend(row)
             tokens.append(row)
-        req_ids = self.batch.req_ids
+        req_ids = [state.req_id for state in states]
+        step.logits = None
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=tokens,
             logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
-            prompt_logprobs_dict=pending.prompt_logprobs,
-            kv_connector_output=pending.kv_connector_output,
+            prompt_logprobs_dict=step.prompt_logprobs,
+            kv_connector_output=step.kv_connector_output,
         )

@@ -18,6 +18,8 @@ from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor import MoveDirectionality
 from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
 
+from vllm_metal.block_tables import BlockTables
+
 
 @dataclass
 class RequestState:
@@ -48,11 +50,13 @@ class RequestState:
 
 class PersistentBatch:
     """Request states plus the row order of the running batch (no holes after
-    `update`)."""
+    `update`) and the rows' block tables."""
 
     def __init__(self, logitsprocs):
         self.requests: dict[str, RequestState] = {}
         self.rows: list[str | None] = []
+        self.row_of: dict[str, int] = {}  # req_id -> its index in rows
+        self.block_tables = BlockTables()
         self.logitsprocs = logitsprocs
         self._updates = BatchUpdateBuilder()
         self.num_resumed = 0  # preempted requests that came back (instrumentation)
@@ -97,10 +101,12 @@ class PersistentBatch:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 self.num_resumed += 1
-                state.block_ids = [list(b) for b in new_blocks]
+                state.block_ids = [list(b) for b in new_blocks]  # its table is set when it is added
             elif new_blocks is not None:
                 for group, ids in zip(state.block_ids, new_blocks):
                     group.extend(ids)
+                if req_id in self.row_of:
+                    self.block_tables.append(self.row_of[req_id], new_blocks)
             if req_id in cached.all_token_ids:
                 # Full token list for a request not scheduled last step.
                 tokens = cached.all_token_ids[req_id]
@@ -108,7 +114,7 @@ class PersistentBatch:
                 state.output_token_ids.extend(tokens[len(state.prompt_token_ids):])
             if cached.num_output_tokens[i] < len(state.output_token_ids):
                 del state.output_token_ids[cached.num_output_tokens[i]:]
-            if req_id not in self.rows:
+            if req_id not in self.row_of:
                 to_add.append(state)
 
         for state in to_add:
@@ -118,9 +124,13 @@ class PersistentBatch:
         for proc in self.logitsprocs.all:
             proc.update_state(update)
 
+    def block_table_view(self):
+        """This step's tables, row for row (see BlockTables.view)."""
+        return self.block_tables.view(len(self.rows))
+
     def _remove(self, req_id: str) -> None:
-        if req_id in self.rows:
-            i = self.rows.index(req_id)
+        i = self.row_of.pop(req_id, None)
+        if i is not None:
             self.rows[i] = None
             self._updates.removed_append(i)
 
@@ -131,19 +141,25 @@ class PersistentBatch:
             self.rows.append(state.req_id)
         else:
             self.rows[i] = state.req_id
+        self.row_of[state.req_id] = i
+        self.block_tables.set_row(i, state.block_ids)
         self._updates.added.append((i, state.sampling_params, state.prompt_token_ids,
                                     state.output_token_ids))
 
     def _condense(self) -> None:
         """Moves the last rows into holes so rows are dense, like vLLM's InputBatch."""
-        while self._updates.removed:
-            hole = self._updates.peek_removed()
-            last = max((j for j, r in enumerate(self.rows) if r is not None), default=-1)
+        while True:
+            # Trailing holes stay registered as removed, as vLLM's InputBatch does.
+            while self.rows and self.rows[-1] is None:
+                self.rows.pop()
+            if not self._updates.removed:
+                break
+            hole, last = self._updates.peek_removed(), len(self.rows) - 1
             if last < hole:
                 break
             self._updates.pop_removed()
-            self.rows[hole], self.rows[last] = self.rows[last], None
+            req_id = self.rows[last]
+            self.rows[hole], self.rows[last] = req_id, None
+            self.row_of[req_id] = hole
+            self.block_tables.move(last, hole)
             self._updates.moved.append((last, hole, MoveDirectionality.UNIDIRECTIONAL))
-        # Trailing holes stay registered as removed, as vLLM's InputBatch does.
-        while self.rows and self.rows[-1] is None:
-            self.rows.pop()

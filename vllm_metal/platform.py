@@ -194,9 +194,9 @@ class MetalPlatform(Platform):
                              f"parallel size must be 1 (got world size {parallel.world_size})")
         if parallel.distributed_executor_backend in (None, "mp"):
             parallel.distributed_executor_backend = "uni"
-        # One step at a time: the runner evaluates a step's graph and samples
-        # before the next is scheduled.
-        vllm_config.scheduler_config.async_scheduling = False
+        # Async scheduling stays vLLM's choice (on by default): the runner
+        # starts a step's evaluation and lets the engine schedule the next
+        # step meanwhile (model_runner.py); not with a KV connector (below).
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = 16
@@ -238,6 +238,13 @@ class MetalPlatform(Platform):
         if vllm_config.model_config is not None:
             vllm_config.model_config.enforce_eager = True
         cls._configure_kv_disk(vllm_config)
+        # A step's connector output needs its evaluation (no overlap to gain),
+        # and a failed block load rolls the request back after vLLM has
+        # already scheduled the next step on the token that load never gave.
+        if vllm_config.kv_transfer_config is not None and vllm_config.scheduler_config.async_scheduling:
+            logger.info("vllm-metal: async scheduling off with a KV connector (its loads and saves wait "
+                        "for each step's evaluation, and a failed load must roll back before the next step)")
+            vllm_config.scheduler_config.async_scheduling = False
 
     @classmethod
     def _configure_kv_disk(cls, vllm_config) -> None:

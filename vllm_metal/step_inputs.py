@@ -19,7 +19,7 @@ class ScheduledRow:
 
     token_ids: Sequence[int]  # the tokens scheduled now (positions num_computed ...)
     num_computed: int  # tokens already in the KV cache
-    block_ids: Sequence[Sequence[int]]  # per KV-cache group
+    block_ids: Sequence[Sequence[int]] = ()  # per KV-cache group; unused when tables are given
 
 
 @dataclass
@@ -38,8 +38,14 @@ class StepInputs:
 
 
 def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
-                      sliding_windows: Sequence[int | None] | None = None) -> StepInputs:
-    """sliding_windows: per group, the window of a sliding-window group (None
+                      sliding_windows: Sequence[int | None] | None = None,
+                      tables: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> StepInputs:
+    """tables: per group, (int32 [rows, width] block table padded with 0,
+    int32 [rows] valid entries) kept by the runner's persistent batch
+    (vllm_metal.block_tables), taken over (masked in place) instead of being
+    built from the rows' block_ids.
+
+    sliding_windows: per group, the window of a sliding-window group (None
     for full attention). vLLM frees a sliding-window request's out-of-window
     blocks (and may hand them to other requests) without telling the worker,
     so table entries wholly below the step's first query's window are set to
@@ -59,15 +65,23 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
     positions = (computed[row_of_token] + np.arange(cu[-1]) - cu[row_of_token]).astype(np.int32)
 
     block_tables, slot_mappings = [], []
+    if tables is not None and (len(tables) != len(block_sizes)
+                               or any(len(t) != len(rows) or len(c) != len(rows) for t, c in tables)):
+        raise ValueError(f"block tables for {[len(t) for t, _ in tables]} rows in {len(tables)} groups "
+                         f"do not match {len(rows)} rows in {len(block_sizes)} groups")
     for group, block_size in enumerate(block_sizes):
-        width = max(len(r.block_ids[group]) for r in rows)
-        table = np.zeros((len(rows), max(width, 1)), np.int32)  # pad with the null block 0
-        for s, r in enumerate(rows):
-            ids = r.block_ids[group]
-            if len(ids) * block_size < seq_lens[s]:
-                raise ValueError(f"row {s}: {len(ids)} blocks of {block_size} cannot hold "
-                                 f"{int(seq_lens[s])} tokens")
-            table[s, :len(ids)] = ids
+        if tables is not None:
+            table, counts = tables[group]
+        else:
+            counts = np.array([len(r.block_ids[group]) for r in rows], np.int32)
+            table = np.zeros((len(rows), max(int(counts.max()), 1)), np.int32)  # pad with the null block 0
+            for s, r in enumerate(rows):
+                table[s, :counts[s]] = r.block_ids[group]
+        short = counts.astype(np.int64) * block_size < seq_lens
+        if short.any():
+            s = int(np.argmax(short))
+            raise ValueError(f"row {s}: {int(counts[s])} blocks of {block_size} cannot hold "
+                             f"{int(seq_lens[s])} tokens")
         blocks = table[row_of_token, positions // block_size].astype(np.int64)
         window = sliding_windows[group] if sliding_windows is not None else None
         if window:

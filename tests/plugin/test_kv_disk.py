@@ -451,6 +451,9 @@ def test_gate_accepts_only_the_disk_connector(model_dir, tmp_path, monkeypatch):
     kt = config.kv_transfer_config
     assert kt.kv_connector_module_path == "vllm_metal.kv.disk_connector"
     assert kt.kv_load_failure_policy == "recompute"
+    # A step waits for its evaluation to report saves and failed loads: no async scheduling.
+    assert config.scheduler_config.async_scheduling is False
+    assert EngineArgs(model=model_dir, max_model_len=512).create_engine_config().scheduler_config.async_scheduling
     monkeypatch.setenv("VLLM_METAL_KV_DISK", str(tmp_path / "env"))
     monkeypatch.setenv("VLLM_METAL_KV_DISK_MAX_BYTES", "12345")
     kt = EngineArgs(model=model_dir, max_model_len=512).create_engine_config().kv_transfer_config
