@@ -10,6 +10,8 @@
 
 #include "gated_delta.h"
 #include "paged_attention.h"
+#include "rms_norm.h"
+#include "rope.h"
 #include "swiglu.h"
 
 namespace nb = nanobind;
@@ -59,6 +61,27 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.ops.swiglu).");
+
+  m.def(
+      "rms_norm",
+      &vllm_metal::rms_norm,
+      "x"_a,
+      "weight"_a,
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy RMSNorm over the last axis on MLX's CPU device (see vllm_metal.ops.rms_norm).");
+
+  m.def(
+      "rope",
+      &vllm_metal::rope,
+      "x"_a,
+      "table"_a,
+      "traditional"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy RoPE of [tokens, heads, dim] by a per-token (cos, sin) table on MLX's CPU device "
+      "(see vllm_metal.ops.rope).");
 
   m.def(
       "is_materialized",

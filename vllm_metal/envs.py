@@ -44,6 +44,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "gate/up; weights concatenated at load): 'auto' on MLX's CPU device (fewer, larger "
         "BLAS calls) and not on Metal; '1' always; '0' never.",
     ),
+    "VLLM_METAL_CPU_NORM_ROPE": (
+        "auto",
+        "RMSNorm and RoPE through vllm-metal's primitives (MLX's CPU rms_norm and rope are "
+        "~15- and ~30-operation compositions; RoPE's cos/sin table is then computed once per "
+        "step): 'auto' on MLX's CPU device and not on Metal (fused kernels there); '1' always; "
+        "'0' never.",
+    ),
     "VLLM_METAL_STATE_WRITEBACK": (
         "inplace",
         "Hybrid models' per-request states (linear-attention layers): 'inplace' scatters each "

@@ -36,6 +36,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal import envs, prompt_logprobs
 from vllm_metal.models.attention_adapter import PagedKVCache
+from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.persistent_batch import PersistentBatch, RequestState
@@ -124,10 +125,18 @@ class MetalModelRunner:
         dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
         start = time.perf_counter()
         self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize,
-                                    fuse=fuse_projections_enabled(self.device))
-        logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs", self.model_config.model, dtype,
-                    ", MLX-quantized" if self.mlx_model.quantized else "", self.device,
-                    time.perf_counter() - start)
+                                    fuse=fuse_projections_enabled(self.device),
+                                    norm_rope=cpu_norm_rope_enabled(self.device))
+        m = self.mlx_model
+        extras = []
+        if m.fused:
+            extras.append("fused projections: {qkv} q/k/v, {gate_up} gate/up, {swiglu} SwiGLU".format(**m.fused))
+        if m.norm_rope:
+            extras.append("CPU primitives: {rms_norm} RMSNorms, RoPE of {rope} layers from {rope_tables} "
+                          "table(s) a step".format(**m.norm_rope))
+        logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs%s", self.model_config.model, dtype,
+                    ", MLX-quantized" if m.quantized else "", self.device, time.perf_counter() - start,
+                    "".join(f"; {e}" for e in extras))
 
     def weights_bytes(self) -> int:
         from mlx.utils import tree_flatten

@@ -41,7 +41,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path",
-           "gated_delta", "gated_delta_path"]
+           "gated_delta", "gated_delta_path", "swiglu", "rms_norm", "rope", "SlotMapping"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
 
@@ -378,6 +378,62 @@ def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
                              f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
         return mx.multiply(mx.multiply(gate, mx.sigmoid(gate, stream=stream), stream=stream), up, stream=stream)
     return _ext.swiglu(gate, up, stream=stream)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float, *, stream=None) -> mx.array:
+    """x / sqrt(mean(x^2, last axis) + eps) * weight, lazy, in x's dtype.
+
+    On MLX's CPU device this is vllm-metal's RMSNorm primitive (one pass per
+    row; MLX's CPU mx.fast.rms_norm is its ~15-operation fallback
+    composition); elsewhere MLX's own fused mx.fast.rms_norm. weight: [dim]
+    of x's dtype (ValueError otherwise).
+    """
+    _check_array(x, "x")
+    _check_array(weight, "weight")
+    if weight.ndim != 1 or x.ndim < 1 or weight.shape[0] != x.shape[-1] or weight.dtype != x.dtype:
+        raise ValueError(f"[rms_norm] weight must be [{x.shape[-1] if x.ndim else '?'}] of x's dtype {x.dtype}, "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    if _device_of(stream).type != mx.DeviceType.cpu:
+        return mx.fast.rms_norm(x, weight, float(eps), stream=stream)
+    return _ext.rms_norm(x, weight, float(eps), stream=stream)
+
+
+def rope(x: mx.array, table: mx.array, *, traditional: bool = False, stream=None) -> mx.array:
+    """Rotary embedding of packed tokens from a per-token table, lazy, in x's dtype.
+
+    x: [tokens, heads, dim]; table: float32 [tokens, rotated / 2, 2], the
+    (cos, sin) of each rotated pair with any scale folded in (rotated <=
+    dim; the dims past it are copied). Pairs are (i, i + rotated / 2), or
+    (2i, 2i + 1) when `traditional`: each pair (a, b) becomes
+    (a cos - b sin, b cos + a sin). The table is computed once per step and
+    shared by every layer (vllm_metal/models/cpu_rows.py). On MLX's CPU device
+    this is vllm-metal's RoPE primitive; elsewhere the same formula in MLX
+    ops (on Metal the adapter calls the model's own fused RoPE instead).
+    """
+    _check_array(x, "x")
+    _check_array(table, "table")
+    if x.ndim != 3 or table.ndim != 3 or table.shape[0] != x.shape[0] or table.shape[2] != 2 \
+            or not 1 <= table.shape[1] <= x.shape[2] // 2 or table.dtype != mx.float32:
+        raise ValueError(f"[rope] x must be [tokens, heads, dim] and table float32 [tokens, rotated / 2, 2] "
+                         f"with rotated <= dim, got x {tuple(x.shape)} and table {tuple(table.shape)} {table.dtype}")
+    if _device_of(stream).type == mx.DeviceType.cpu:
+        return _ext.rope(x, table, bool(traditional), stream=stream)
+    return rope_composed(x, table, traditional=traditional, stream=stream)
+
+
+def rope_composed(x: mx.array, table: mx.array, *, traditional: bool = False, stream=None) -> mx.array:
+    """`rope` built from MLX ops (any device; what `rope` runs off the CPU)."""
+    rotated = 2 * table.shape[1]
+    cos, sin = table[:, None, :, 0], table[:, None, :, 1]
+    xf = x.astype(mx.float32, stream=stream)
+    if traditional:
+        a, b = xf[..., 0:rotated:2], xf[..., 1:rotated:2]
+        turned = mx.stack([a * cos - b * sin, b * cos + a * sin], axis=-1, stream=stream)
+        turned = turned.reshape(x.shape[0], x.shape[1], rotated)
+    else:
+        a, b = xf[..., :rotated // 2], xf[..., rotated // 2:rotated]
+        turned = mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1, stream=stream)
+    return mx.concatenate([turned, xf[..., rotated:]], axis=-1, stream=stream).astype(x.dtype, stream=stream)
 
 
 GATED_DELTA_PATHS = ("auto", "fused", "mlx-lm")

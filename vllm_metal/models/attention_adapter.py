@@ -34,6 +34,9 @@ class StepAttentionInputs:
     # Hybrid models: the rows as a padded batch for linear-attention layers
     # (models/state_slots.LinearStepInputs), else None.
     linear: object = None
+    # RoPE (cos, sin) tables of this step by plan key (models/cpu_norm_rope.py),
+    # computed by the first layer that needs one and shared by the others.
+    rope_tables: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -169,6 +172,7 @@ class PagedAttentionLayer(nn.Module):
                                       "it is a NoPE layer")
         self.uses_rope = rope is not None
         self.rope_dims = self.head_dim
+        self.rope_plan = None  # set by models/cpu_norm_rope.py on MLX's CPU device
         # q/k norms: per head (qwen3, gemma3) or over the whole projection
         # before the heads are split (olmo2, olmoe): told apart by the norm's size.
         norm = getattr(inner, names["q_norm"]) if names["q_norm"] else None
@@ -213,7 +217,14 @@ class PagedAttentionLayer(nn.Module):
         v = v.reshape(n, self.num_kv_heads, -1)
         if self.qk_norm == "head":
             q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
-        if self.uses_rope:
+        plan = self.rope_plan
+        if plan is not None:  # MLX's CPU device: one table per step, the RoPE primitive
+            table = step.rope_tables.get(plan.key)
+            if table is None:
+                table = step.rope_tables[plan.key] = plan.table(a.rope, step.positions)
+            q = ops.rope(q, table, traditional=plan.traditional)
+            k = ops.rope(k, table, traditional=plan.traditional)
+        elif self.uses_rope:
             # RoPE over a length-1 axis with one offset per token = each token
             # at its own position, whatever sequence it belongs to.
             q = a.rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :]

@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
                                                  StepAttentionInputs, check_rope)
+from vllm_metal.models.cpu_norm_rope import use_cpu_norm_rope  # noqa: E402
 from vllm_metal.models.fused_projections import fuse_projections  # noqa: E402
 from vllm_metal.models.gated_delta import GatedDeltaLayer  # noqa: E402
 from vllm_metal.models.mamba2 import Mamba2Layer  # noqa: E402
@@ -66,6 +67,8 @@ class LoadedModel:
     quantized: bool  # weights still MLX-quantized after loading
     # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
     fused: dict = field(default_factory=dict)
+    # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
+    norm_rope: dict = field(default_factory=dict)
 
     def kv_summary(self) -> str:
         """The cache shapes in words: '3 KV heads of 64' where every layer is
@@ -179,7 +182,7 @@ def _has_quantized(model: nn.Module) -> bool:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
-               materialize: bool = True, fuse: bool = False) -> LoadedModel:
+               materialize: bool = True, fuse: bool = False, norm_rope: bool = False) -> LoadedModel:
     """Load `model_dir` (an mlx-lm directory) for the paged path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
@@ -187,7 +190,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     than BLAS, so the CPU device wants this; Metal does not). materialize=False
     leaves the weights on disk (every check still runs: `vllm-metal doctor --model`).
     fuse: one matmul per group of projections reading the same input
-    (models/fused_projections.py; the CPU device wants this).
+    (models/fused_projections.py; the CPU device wants this). norm_rope:
+    RMSNorm and RoPE through vllm-metal's primitives (models/cpu_norm_rope.py;
+    the CPU device wants this).
     """
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -249,11 +254,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                     f"model type {config.get('model_type')!r} with rope scaling {rope_config!r} cannot be "
                     f"served by vllm-metal: {e}") from e
     fused = fuse_projections(model, layers, PagedAttentionLayer) if fuse and materialize else {}
+    norm_rope_done = use_cpu_norm_rope(model, layers, PagedAttentionLayer) if norm_rope and materialize else {}
     if materialize:
         mx.eval(model.parameters())
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
-                       fused=fused)
+                       fused=fused, norm_rope=norm_rope_done)
 
 
 def _layer_kv(attention, index: int, inner: nn.Module, windows: list, earlier: list[LayerKV],

@@ -1,0 +1,97 @@
+// The CPU RMSNorm kernel, compiled once per instruction set: per row,
+// y = (x * 1 / sqrt(mean(x^2) + eps)) rounded to the storage dtype, then
+// times the weight -- the order of MLX's own composition (mlx/fast.cpp's
+// fallback: float32 statistics, the normalised row cast back, then the
+// weight product in the storage dtype). The sum of squares runs in 16
+// float32 lanes. Rows are split over the kernels' thread pool in chunks.
+#include <algorithm>
+#include <cmath>
+
+#include "cpu/convert.h"
+#include "cpu/rms_norm_kernel.h"
+#include "cpu/simd.h"
+#include "thread_pool.h"
+
+#ifndef VLLM_METAL_KERNEL_ENTRY
+#error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
+#endif
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+constexpr int64_t kChunkElements = 32768;  // per task
+
+float sum_of_squares(const float* x, int n) {
+  vf acc = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf v = vload(x + i);
+    acc += v * v;
+  }
+  float lanes[kLanes];
+  vstore(lanes, acc);
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += lanes[l];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+template <typename T>
+void rows_range(const RmsNormArgs& a, int64_t lo, int64_t hi) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out);
+  const int d = a.dim;
+  float* row = scaled_row_buffer(3 * d);
+  float* wf = row + d;
+  float* y = row + 2 * d;
+  load_row(w, 1, d, wf);
+  for (int64_t r = lo; r < hi; ++r) {
+    load_row(x + r * d, 1, d, row);
+    // mean = sum * (1 / dim), rsqrt = 1 / sqrt: as MLX computes them.
+    const float scale = 1.0f / std::sqrt(sum_of_squares(row, d) * (1.0f / static_cast<float>(d)) + a.eps);
+    for (int i = 0; i < d; ++i) y[i] = row[i] * scale;
+    if constexpr (!std::is_same_v<T, float>) {
+      // The normalised row is rounded to the storage dtype before the weight
+      // product, as MLX's composition does (astype, then multiply).
+      store_row(y, d, out + r * d);
+      load_row(out + r * d, 1, d, y);
+    }
+    for (int i = 0; i < d; ++i) y[i] *= wf[i];
+    store_row(y, d, out + r * d);
+  }
+}
+
+template <typename T>
+void run(const RmsNormArgs& a) {
+  const int64_t rows_per_task = std::max<int64_t>(1, kChunkElements / std::max(a.dim, 1));
+  const int64_t tasks = (a.rows + rows_per_task - 1) / rows_per_task;
+  auto task = [&](std::size_t t) {
+    const int64_t lo = static_cast<int64_t>(t) * rows_per_task;
+    rows_range<T>(a, lo, std::min(a.rows, lo + rows_per_task));
+  };
+  if (tasks <= 1) {
+    if (tasks == 1) task(0);
+    return;
+  }
+  parallel_for(tasks, task);
+}
+
+} // namespace
+
+void VLLM_METAL_KERNEL_ENTRY(const RmsNormArgs& args) {
+  switch (args.dtype) {
+    case KernelDtype::float32:
+      run<float>(args);
+      break;
+    case KernelDtype::float16:
+      run<mx::float16_t>(args);
+      break;
+    case KernelDtype::bfloat16:
+      run<mx::bfloat16_t>(args);
+      break;
+  }
+}
+
+} // namespace vllm_metal::cpu

@@ -1,0 +1,92 @@
+// The CPU RoPE kernel, compiled once per instruction set. Each token's
+// (cos, sin) pairs come from a table computed once per step (the model's own
+// RoPE module applied to a probe, vllm_metal/models/cpu_rows.py), so no
+// trigonometry runs here: per pair (a, b) -> (a cos - b sin, b cos + a sin),
+// the formula of MLX's own composition, in float32, rounded once to the
+// storage dtype. Token ranges are split over the kernels' thread pool.
+#include <algorithm>
+
+#include "cpu/convert.h"
+#include "cpu/rope_kernel.h"
+#include "thread_pool.h"
+
+#ifndef VLLM_METAL_KERNEL_ENTRY
+#error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
+#endif
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+constexpr int64_t kChunkElements = 32768;  // per task
+
+template <typename T>
+void tokens_range(const RopeArgs& a, int64_t lo, int64_t hi) {
+  const T* x = static_cast<const T*>(a.x);
+  T* out = static_cast<T*>(a.out);
+  const int d = a.dim, half = a.rotated / 2;
+  float* row = scaled_row_buffer(2 * d + 2 * half);
+  float* y = row + d;
+  float* c = y + d;
+  float* s = c + half;
+  for (int64_t t = lo; t < hi; ++t) {
+    const float* pairs = a.table + t * half * 2;
+    for (int i = 0; i < half; ++i) {
+      c[i] = pairs[2 * i];
+      s[i] = pairs[2 * i + 1];
+    }
+    for (int h = 0; h < a.heads; ++h) {
+      const int64_t base = (t * a.heads + h) * d;
+      load_row(x + base, 1, d, row);
+      if (a.traditional) {
+        for (int i = 0; i < half; ++i) {
+          const float p = row[2 * i], q = row[2 * i + 1];
+          y[2 * i] = p * c[i] - q * s[i];
+          y[2 * i + 1] = q * c[i] + p * s[i];
+        }
+      } else {
+        for (int i = 0; i < half; ++i) {
+          const float p = row[i], q = row[i + half];
+          y[i] = p * c[i] - q * s[i];
+          y[i + half] = q * c[i] + p * s[i];
+        }
+      }
+      std::copy(row + a.rotated, row + d, y + a.rotated);
+      store_row(y, d, out + base);
+    }
+  }
+}
+
+template <typename T>
+void run(const RopeArgs& a) {
+  const int64_t per_token = static_cast<int64_t>(a.heads) * a.dim;
+  const int64_t tokens_per_task = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(per_token, 1));
+  const int64_t tasks = (a.tokens + tokens_per_task - 1) / tokens_per_task;
+  auto task = [&](std::size_t i) {
+    const int64_t lo = static_cast<int64_t>(i) * tokens_per_task;
+    tokens_range<T>(a, lo, std::min(a.tokens, lo + tokens_per_task));
+  };
+  if (tasks <= 1) {
+    if (tasks == 1) task(0);
+    return;
+  }
+  parallel_for(tasks, task);
+}
+
+} // namespace
+
+void VLLM_METAL_KERNEL_ENTRY(const RopeArgs& args) {
+  switch (args.dtype) {
+    case KernelDtype::float32:
+      run<float>(args);
+      break;
+    case KernelDtype::float16:
+      run<mx::float16_t>(args);
+      break;
+    case KernelDtype::bfloat16:
+      run<mx::bfloat16_t>(args);
+      break;
+  }
+}
+
+} // namespace vllm_metal::cpu
