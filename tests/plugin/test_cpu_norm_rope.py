@@ -119,3 +119,12 @@ def test_swap_reaches_norms_in_lists_and_nested_modules():
     assert counts == {"rms_norm": 3, "rope": 0, "rope_tables": 0}
     assert type(m.final) is PrimitiveRMSNorm and m.final.eps == 1e-3
     assert all(type(b.norm) is PrimitiveRMSNorm and type(b.other) is nn.LayerNorm for b in m.layers)
+
+
+def test_a_norm_called_on_another_dtype_keeps_mlx_promotion(rng):
+    norm = PrimitiveRMSNorm(nn.RMSNorm(16))
+    x = mx.array(rng.standard_normal((3, 16)).astype(np.float32)).astype(mx.bfloat16)
+    out = norm(x)  # float32 weight, bfloat16 input: what mx.fast.rms_norm gives
+    assert out.dtype == mx.fast.rms_norm(x, norm.weight, norm.eps).dtype
+    np.testing.assert_array_equal(np.array(out.astype(mx.float32)),
+                                  np.array(mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)))

@@ -43,6 +43,8 @@ class PrimitiveRMSNorm(nn.Module):
         self.eps = norm.eps
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != self.weight.dtype:  # mixed dtypes: MLX's own promotion rules
+            return mx.fast.rms_norm(x, self.weight, self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
 
 
