@@ -9,6 +9,7 @@
 
 #include "cpu/gated_delta_kernel.h"
 #include "cpu/isa.h"
+#include "cpu/kernel_dtype.h"
 #include "gated_delta.h"
 
 namespace vllm_metal {
@@ -53,9 +54,7 @@ void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const auto& q = inputs[0];
   const auto& v = inputs[2];
   cpu::GatedDeltaKernelArgs args{};
-  args.dtype = y.dtype() == mx::float32 ? cpu::KernelDtype::float32
-      : y.dtype() == mx::float16       ? cpu::KernelDtype::float16
-                                       : cpu::KernelDtype::bfloat16;
+  args.dtype = cpu::kernel_dtype(y.dtype());
   args.batch = q.shape(0);
   args.steps = q.shape(1);
   args.k_heads = q.shape(2);

@@ -11,6 +11,7 @@
 #include "mlx/stream.h"
 
 #include "cpu/isa.h"
+#include "cpu/kernel_dtype.h"
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_tiles.h"
 #include "paged_attention.h"
@@ -121,9 +122,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   for (int i = 0; i < 4; ++i) g.v_st[i] = vc.strides(i);
   for (int i = 0; i < 2; ++i) g.bt_st[i] = inputs[3].strides(i);
 
-  KernelDtype dtype = out.dtype() == mx::float32 ? KernelDtype::float32
-      : out.dtype() == mx::float16               ? KernelDtype::float16
-                                                 : KernelDtype::bfloat16;
+  KernelDtype dtype = cpu::kernel_dtype(out.dtype());
   static const auto kernel = select_kernel();
 
   // The index data is validated here, on the thread running mx.eval, so a

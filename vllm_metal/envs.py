@@ -99,6 +99,19 @@ def get_bool(name: str) -> bool:
     return (get(name) or "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def cpu_auto_switch(name: str, device: str) -> bool:
+    """A switch whose 'auto' means "on MLX's CPU device" (`device`: "cpu" or
+    "gpu"); '1' always, '0' never; a value it does not know is refused, not ignored."""
+    choice = (get(name) or "auto").strip().lower()
+    if choice == "auto":
+        return device == "cpu"
+    if choice in ("1", "true", "yes", "on"):
+        return True
+    if choice in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={choice!r}: use 'auto', '1' or '0'")
+
+
 def environment_variables() -> dict[str, Callable[[], str | None]]:
     """In vLLM's own `environment_variables` shape: name -> getter."""
     return {name: (lambda n=name: get(n)) for name in ENV_VARS}

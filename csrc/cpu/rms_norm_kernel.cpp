@@ -8,9 +8,9 @@
 #include <cmath>
 
 #include "cpu/convert.h"
+#include "cpu/dispatch.h"
 #include "cpu/rms_norm_kernel.h"
 #include "cpu/simd.h"
-#include "thread_pool.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -65,33 +65,13 @@ void rows_range(const RmsNormArgs& a, int64_t lo, int64_t hi) {
 
 template <typename T>
 void run(const RmsNormArgs& a) {
-  const int64_t rows_per_task = std::max<int64_t>(1, kChunkElements / std::max(a.dim, 1));
-  const int64_t tasks = (a.rows + rows_per_task - 1) / rows_per_task;
-  auto task = [&](std::size_t t) {
-    const int64_t lo = static_cast<int64_t>(t) * rows_per_task;
-    rows_range<T>(a, lo, std::min(a.rows, lo + rows_per_task));
-  };
-  if (tasks <= 1) {
-    if (tasks == 1) task(0);
-    return;
-  }
-  parallel_for(tasks, task);
+  for_ranges(a.rows, kChunkElements / std::max(a.dim, 1), [&](int64_t lo, int64_t hi) { rows_range<T>(a, lo, hi); });
 }
 
 } // namespace
 
 void VLLM_METAL_KERNEL_ENTRY(const RmsNormArgs& args) {
-  switch (args.dtype) {
-    case KernelDtype::float32:
-      run<float>(args);
-      break;
-    case KernelDtype::float16:
-      run<mx::float16_t>(args);
-      break;
-    case KernelDtype::bfloat16:
-      run<mx::bfloat16_t>(args);
-      break;
-  }
+  with_storage_type(args.dtype, [&](auto tag) { run<decltype(tag)>(args); });
 }
 
 } // namespace vllm_metal::cpu

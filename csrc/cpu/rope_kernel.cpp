@@ -7,8 +7,8 @@
 #include <algorithm>
 
 #include "cpu/convert.h"
+#include "cpu/dispatch.h"
 #include "cpu/rope_kernel.h"
-#include "thread_pool.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -59,34 +59,14 @@ void tokens_range(const RopeArgs& a, int64_t lo, int64_t hi) {
 
 template <typename T>
 void run(const RopeArgs& a) {
-  const int64_t per_token = static_cast<int64_t>(a.heads) * a.dim;
-  const int64_t tokens_per_task = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(per_token, 1));
-  const int64_t tasks = (a.tokens + tokens_per_task - 1) / tokens_per_task;
-  auto task = [&](std::size_t i) {
-    const int64_t lo = static_cast<int64_t>(i) * tokens_per_task;
-    tokens_range<T>(a, lo, std::min(a.tokens, lo + tokens_per_task));
-  };
-  if (tasks <= 1) {
-    if (tasks == 1) task(0);
-    return;
-  }
-  parallel_for(tasks, task);
+  const int64_t per_token = std::max<int64_t>(static_cast<int64_t>(a.heads) * a.dim, 1);
+  for_ranges(a.tokens, kChunkElements / per_token, [&](int64_t lo, int64_t hi) { tokens_range<T>(a, lo, hi); });
 }
 
 } // namespace
 
 void VLLM_METAL_KERNEL_ENTRY(const RopeArgs& args) {
-  switch (args.dtype) {
-    case KernelDtype::float32:
-      run<float>(args);
-      break;
-    case KernelDtype::float16:
-      run<mx::float16_t>(args);
-      break;
-    case KernelDtype::bfloat16:
-      run<mx::bfloat16_t>(args);
-      break;
-  }
+  with_storage_type(args.dtype, [&](auto tag) { run<decltype(tag)>(args); });
 }
 
 } // namespace vllm_metal::cpu

@@ -7,9 +7,9 @@
 #include <algorithm>
 
 #include "cpu/convert.h"
+#include "cpu/dispatch.h"
 #include "cpu/simd.h"
 #include "cpu/swiglu_kernel.h"
-#include "thread_pool.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -58,36 +58,19 @@ void run(const SwigluArgs& a) {
   const T* g = static_cast<const T*>(a.gate);
   const T* u = static_cast<const T*>(a.up);
   T* out = static_cast<T*>(a.out);
-  const int64_t chunks = (a.n + kChunk - 1) / kChunk;
-  auto task = [&](std::size_t c) {
-    const int64_t lo = static_cast<int64_t>(c) * kChunk, hi = std::min(a.n, lo + kChunk);
+  for_ranges(a.n, kChunk, [&](int64_t lo, int64_t hi) {
     if constexpr (std::is_same_v<T, float>) {
       range_f32(g + lo, u + lo, out + lo, hi - lo);
     } else {
       range(g + lo, u + lo, out + lo, hi - lo);
     }
-  };
-  if (chunks <= 1) {
-    if (chunks == 1) task(0);
-    return;
-  }
-  parallel_for(chunks, task);
+  });
 }
 
 } // namespace
 
 void VLLM_METAL_KERNEL_ENTRY(const SwigluArgs& args) {
-  switch (args.dtype) {
-    case KernelDtype::float32:
-      run<float>(args);
-      break;
-    case KernelDtype::float16:
-      run<mx::float16_t>(args);
-      break;
-    case KernelDtype::bfloat16:
-      run<mx::bfloat16_t>(args);
-      break;
-  }
+  with_storage_type(args.dtype, [&](auto tag) { run<decltype(tag)>(args); });
 }
 
 } // namespace vllm_metal::cpu

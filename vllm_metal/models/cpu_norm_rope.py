@@ -156,11 +156,4 @@ def _entries(child):
 def cpu_norm_rope_enabled(device: str) -> bool:
     """VLLM_METAL_CPU_NORM_ROPE for a model loaded on `device` ("cpu" or
     "gpu"); a value it does not know is refused, not ignored."""
-    choice = (envs.get("VLLM_METAL_CPU_NORM_ROPE") or "auto").strip().lower()
-    if choice == "auto":
-        return device == "cpu"
-    if choice in ("1", "true", "yes", "on"):
-        return True
-    if choice in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"VLLM_METAL_CPU_NORM_ROPE={choice!r}: use 'auto', '1' or '0'")
+    return envs.cpu_auto_switch("VLLM_METAL_CPU_NORM_ROPE", device)

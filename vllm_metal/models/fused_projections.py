@@ -193,11 +193,4 @@ def fuse_projections(model: nn.Module, layers: list, attention_class: type) -> d
 def fuse_projections_enabled(device: str) -> bool:
     """VLLM_METAL_FUSE_PROJECTIONS for a model loaded on `device` ("cpu" or
     "gpu"); a value it does not know is refused, not ignored."""
-    choice = (envs.get("VLLM_METAL_FUSE_PROJECTIONS") or "auto").strip().lower()
-    if choice == "auto":
-        return device == "cpu"
-    if choice in ("1", "true", "yes", "on"):
-        return True
-    if choice in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"VLLM_METAL_FUSE_PROJECTIONS={choice!r}: use 'auto', '1' or '0'")
+    return envs.cpu_auto_switch("VLLM_METAL_FUSE_PROJECTIONS", device)
