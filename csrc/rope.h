@@ -5,7 +5,7 @@
 // composition (~30 operations, the angles' cos and sin computed through libm
 // for every call), twice per layer. Here the pairs come from a table the
 // caller computes once per step and shares across layers
-// (vllm_metal/models/cpu_rows.py builds it with the model's own RoPE module),
+// (vllm_metal/models/cpu_norm_rope.py builds it with the model's own RoPE module),
 // and the rotation is one pass. On Metal, MLX's own rope is a fused kernel:
 // the adapter keeps calling the model's module there, and this primitive's
 // eval_gpu refuses, naming the op to call.

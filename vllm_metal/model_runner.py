@@ -238,7 +238,7 @@ class MetalModelRunner:
                 ScheduledRow([8], 2 * block + 5, [[0, 0, 0]] * groups)]
         inputs = build_step_inputs(rows, self.block_sizes)
         try:
-            logits = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
+            logits = np.array(self._forward(inputs, inputs.last_token_indices.astype(np.int64)), copy=False)
         except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
                                f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
@@ -261,13 +261,13 @@ class MetalModelRunner:
         self.evaluations += 1
         mx.async_eval(*arrays)
 
-    def _forward(self, inputs, logit_rows: np.ndarray) -> np.ndarray:
-        """The whole model over the packed step, evaluated once (or per layer)."""
-        kv = self.kv
+    def _forward(self, inputs, logit_rows: np.ndarray) -> mx.array:
+        """The whole model over the packed step as one graph, its evaluation
+        started (awaited unless async scheduling is on); the logits, lazy."""
         self.forward_passes += 1
-        logits = self.mlx_model.forward(kv, inputs, logit_rows)
-        self._evaluate(logits, kv.arrays())
-        return np.array(logits, copy=False)
+        logits = self.mlx_model.forward(self.kv, inputs, logit_rows)
+        self._start_evaluation(logits, self.kv.arrays())
+        return logits
 
     def execute_model(self, so: SchedulerOutput):
         # The previous step is finished before the batch changes (async
@@ -328,10 +328,7 @@ class MetalModelRunner:
                 extra.extend(range(offset, offset + m))  # after every row's last token
             offset += n
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
-        kv = self.kv
-        self.forward_passes += 1
-        logits = self.mlx_model.forward(kv, inputs, np.array(logit_rows + extra, np.int64))
-        self._start_evaluation(logits, kv.arrays())
+        logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
         step = _PendingStep(so, states, discard, prompt_rows, logits)
         if not self.async_scheduling:
             self._collect(step)

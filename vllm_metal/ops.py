@@ -406,7 +406,7 @@ def rope(x: mx.array, table: mx.array, *, traditional: bool = False, stream=None
     dim; the dims past it are copied). Pairs are (i, i + rotated / 2), or
     (2i, 2i + 1) when `traditional`: each pair (a, b) becomes
     (a cos - b sin, b cos + a sin). The table is computed once per step and
-    shared by every layer (vllm_metal/models/cpu_rows.py). On MLX's CPU device
+    shared by every layer (vllm_metal/models/cpu_norm_rope.py). On MLX's CPU device
     this is vllm-metal's RoPE primitive; elsewhere the same formula in MLX
     ops (on Metal the adapter calls the model's own fused RoPE instead).
     """

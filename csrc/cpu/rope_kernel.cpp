@@ -1,6 +1,6 @@
 // The CPU RoPE kernel, compiled once per instruction set. Each token's
 // (cos, sin) pairs come from a table computed once per step (the model's own
-// RoPE module applied to a probe, vllm_metal/models/cpu_rows.py), so no
+// RoPE module applied to a probe, vllm_metal/models/cpu_norm_rope.py), so no
 // trigonometry runs here: per pair (a, b) -> (a cos - b sin, b cos + a sin),
 // the formula of MLX's own composition, in float32, rounded once to the
 // storage dtype. Token ranges are split over the kernels' thread pool.

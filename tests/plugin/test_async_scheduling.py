@@ -75,7 +75,7 @@ def assert_same_outputs(async_out, sync_out):
     for a, s in zip(async_out, sync_out):
         assert a[0] == s[0] and a[1] == s[1]
         for got, want in ((a[2], s[2]), (a[3], s[3])):
-            assert (got is None) == (want is None)
+            assert (got is None) == (want is None) and len(got or []) == len(want or [])
             for g, w in zip(got or [], want or []):
                 assert (g is None) == (w is None)
                 if g is not None:

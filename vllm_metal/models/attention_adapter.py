@@ -196,6 +196,20 @@ class PagedAttentionLayer(nn.Module):
         """The RoPE module this layer applies, or None (NoPE)."""
         return getattr(self.inner, "rope", None) if self.uses_rope else None
 
+    def apply_rope(self, q: mx.array, k: mx.array, step: StepAttentionInputs) -> tuple[mx.array, mx.array]:
+        """q [tokens, heads, dim] and k rotated, each token at its own position."""
+        plan = self.rope_plan
+        if plan is not None:  # MLX's CPU device: one table per step, the RoPE primitive
+            table = step.rope_tables.get(plan.key)
+            if table is None:
+                table = step.rope_tables[plan.key] = plan.table(self.inner.rope, step.positions)
+            return ops.rope(q, table, traditional=plan.traditional), ops.rope(k, table, traditional=plan.traditional)
+        # RoPE over a length-1 axis with one offset per token = each token at
+        # its own position, whatever sequence it belongs to.
+        rope = self.inner.rope
+        return (rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :],
+                rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :])
+
     def scale_queries(self, q: mx.array, step: StepAttentionInputs) -> mx.array:
         """Hook for a family that scales queries per token after RoPE (ministral3)."""
         return q
@@ -217,18 +231,8 @@ class PagedAttentionLayer(nn.Module):
         v = v.reshape(n, self.num_kv_heads, -1)
         if self.qk_norm == "head":
             q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
-        plan = self.rope_plan
-        if plan is not None:  # MLX's CPU device: one table per step, the RoPE primitive
-            table = step.rope_tables.get(plan.key)
-            if table is None:
-                table = step.rope_tables[plan.key] = plan.table(a.rope, step.positions)
-            q = ops.rope(q, table, traditional=plan.traditional)
-            k = ops.rope(k, table, traditional=plan.traditional)
-        elif self.uses_rope:
-            # RoPE over a length-1 axis with one offset per token = each token
-            # at its own position, whatever sequence it belongs to.
-            q = a.rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :]
-            k = a.rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :]
+        if self.uses_rope:
+            q, k = self.apply_rope(q, k, step)
         if hasattr(a, "query_layernorm"):  # hunyuan_v1_dense: per-head norms after RoPE
             q, k = a.query_layernorm(q), a.key_layernorm(k)
         q = self.scale_queries(q, step)

@@ -31,8 +31,7 @@ class Attention(PagedAttentionLayer):
         k = a.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         v = a.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         q, k = a.q_norm(q), a.k_norm(k)
-        q = a.rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :]
-        k = a.rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :]
+        q, k = self.apply_rope(q, k, step)
         layer, group = cache.layer, store.layer_group[cache.layer]
         kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
                               v.astype(store.values[layer].dtype), step.slot_mappings[group])
