@@ -82,6 +82,23 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "Size bound of the VLLM_METAL_KV_DISK directory in bytes (least recently used blocks "
         "are evicted; default 16 GiB).",
     ),
+    "VLLM_METAL_DISTRIBUTED_BACKEND": (
+        "ring",
+        "MLX's data plane between ranks under tensor/pipeline parallel: 'ring' (TCP, any Mac or "
+        "Linux host) or 'jaccl' (RDMA over Thunderbolt 5 on Macs that have it; MLX's "
+        "MLX_IBV_DEVICES names the devices). docs/distributed.md.",
+    ),
+    "VLLM_METAL_DISTRIBUTED_TIMEOUT": (
+        "300",
+        "Seconds every rank waits for the others at start-up (vLLM's --distributed-timeout-seconds, "
+        "when that is unset): a host that never joins stops start-up after this long.",
+    ),
+    "VLLM_METAL_STEP_TIMEOUT": (
+        "120",
+        "Across hosts: seconds the engine waits for a step's answer from another host before it "
+        "fails the requests and stops (sets vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s by "
+        "default, unless that is set).",
+    ),
     "VLLM_METAL_MODEL_DIR": (
         None,
         "Where the embedded default model (SmolLM2-135M-Instruct) is converted to "

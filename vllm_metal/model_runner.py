@@ -18,6 +18,7 @@ logits processors' state are exactly those of synchronous scheduling.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from vllm_metal import envs, prompt_logprobs
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
-from vllm_metal.models.loader import LoadedModel, load_model
+from vllm_metal.models.loader import LoadedModel, ParallelPlan, load_model
 from vllm_metal.persistent_batch import PersistentBatch, RequestState
 from vllm_metal.sampling import sample
 from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
@@ -86,8 +87,10 @@ class _AsyncStepOutput(AsyncModelRunnerOutput):
 
 
 class MetalModelRunner:
-    def __init__(self, vllm_config, device: str):
+    def __init__(self, vllm_config, device: str, parallel: ParallelPlan | None = None):
         self.vllm_config = vllm_config
+        # Tensor / pipeline parallel: this rank's share (distributed/); None on one rank.
+        self.parallel = parallel
         self.model_config = vllm_config.model_config
         self.device = device
         self.sync_per_layer = envs.get_bool("VLLM_METAL_SYNC_PER_LAYER")
@@ -110,6 +113,9 @@ class MetalModelRunner:
         # (async scheduling: the engine ran ahead; tests read it).
         self.finished_by_next_step = 0
         self._pending: _PendingStep | None = None
+        # Under async scheduling vLLM's multiprocess executor asks for a step's
+        # output on its own thread while the next execute_model may arrive.
+        self._finish_lock = threading.Lock()
         # The worker side of a KV connector (--kv-transfer-config: our disk
         # cache), driven here as vLLM's GPU runner drives its connector.
         self.kv_connector = None
@@ -126,9 +132,15 @@ class MetalModelRunner:
         start = time.perf_counter()
         self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize,
                                     fuse=fuse_projections_enabled(self.device),
-                                    norm_rope=cpu_norm_rope_enabled(self.device))
+                                    norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel)
         m = self.mlx_model
         extras = []
+        if m.tp_projections:
+            extras.append(f"tensor parallel rank {self.parallel.tp_rank} of {self.parallel.tp}: "
+                          f"{m.tp_projections} projections split")
+        if m.owned is not None:
+            extras.append(f"pipeline stage {self.parallel.pp_rank} of {self.parallel.pp}: layers "
+                          f"{m.owned.start}-{m.owned.stop - 1} of {m.num_layers}")
         if m.fused:
             extras.append("fused projections: {qkv} q/k/v, {gate_up} gate/up, {swiglu} SwiGLU".format(**m.fused))
         if m.norm_rope:
@@ -156,7 +168,7 @@ class MetalModelRunner:
         dtype = MX_TO_TORCH[m.dtype]
         specs: dict[str, KVCacheSpec] = {}
         for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
-            if kv.source is not None:
+            if kv.source is not None or not m.owns(i):  # a shared cache, or another stage's layer
                 continue
             if kv.layout == "state":
                 cache = self.vllm_config.cache_config
@@ -214,7 +226,8 @@ class MetalModelRunner:
             self.group_windows.append(group.kv_cache_spec.sliding_window
                                       if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None)
             for name in group.layer_names:
-                layer_group[index[name]] = g
+                if name in index:  # (pipeline parallel: groups list every stage's layers)
+                    layer_group[index[name]] = g
         for i, kv in enumerate(m.layer_kv):  # a shared layer reads its source's blocks
             if kv.source is not None:
                 layer_group[i] = layer_group[kv.source]
@@ -238,11 +251,12 @@ class MetalModelRunner:
                 ScheduledRow([8], 2 * block + 5, [[0, 0, 0]] * groups)]
         inputs = build_step_inputs(rows, self.block_sizes)
         try:
-            logits = np.array(self._forward(inputs, inputs.last_token_indices.astype(np.int64)), copy=False)
+            logits = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
+            mx.eval(logits if logits is not None else [], self.kv.arrays())
         except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
                                f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
-        if not np.isfinite(logits).all():
+        if logits is not None and not np.isfinite(np.array(logits, copy=False)).all():
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: the warm-up step gave "
                                "non-finite logits")
 
@@ -261,12 +275,15 @@ class MetalModelRunner:
         self.evaluations += 1
         mx.async_eval(*arrays)
 
-    def _forward(self, inputs, logit_rows: np.ndarray) -> mx.array:
+    def _forward(self, inputs, logit_rows: np.ndarray) -> mx.array | None:
         """The whole model over the packed step as one graph, its evaluation
-        started (awaited unless async scheduling is on); the logits, lazy."""
+        started (awaited unless async scheduling is on); the logits, lazy
+        (None on a pipeline stage before the last: its output is sent)."""
         self.forward_passes += 1
-        logits = self.mlx_model.forward(self.kv, inputs, logit_rows)
-        self._start_evaluation(logits, self.kv.arrays())
+        m = self.mlx_model
+        logits = m.forward(self.kv, inputs, logit_rows)
+        sends = m.transport.take_pending() if m.transport is not None else []
+        self._start_evaluation(*([logits] if logits is not None else []), *sends, self.kv.arrays())
         return logits
 
     def execute_model(self, so: SchedulerOutput):
@@ -329,6 +346,11 @@ class MetalModelRunner:
             offset += n
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
         logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
+        if logits is None:
+            # A pipeline stage before the last: its part is done (evaluated
+            # under the synchronous scheduling vLLM uses with pipelines);
+            # the last stage samples and answers the engine.
+            return None
         step = _PendingStep(so, states, discard, prompt_rows, logits)
         if not self.async_scheduling:
             self._collect(step)
@@ -374,15 +396,16 @@ class MetalModelRunner:
         """Waits for the step, samples it and builds its output, once; a
         failure (an evaluation error surfaces here) is kept and raised again
         to whoever asks for the output later."""
-        if step.output is None and step.error is None:
-            try:
-                step.output = self._sample(step)
-            except BaseException as e:
-                step.error = e
-                raise
-        if step.error is not None:
-            raise step.error
-        return step.output
+        with self._finish_lock:
+            if step.output is None and step.error is None:
+                try:
+                    step.output = self._sample(step)
+                except BaseException as e:
+                    step.error = e
+                    raise
+            if step.error is not None:
+                raise step.error
+            return step.output
 
     def _sample(self, step: _PendingStep) -> ModelRunnerOutput:
         self._collect(step)

@@ -40,6 +40,22 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def place_tokens(self, start: int, ids: list[int]) -> None:
+        """Sets the tokens at positions start, start+1, ... (prompt positions
+        are known already; output positions are overwritten or appended)."""
+        n = len(self.prompt_token_ids)
+        out = self.output_token_ids
+        for pos, token in enumerate(ids, start):
+            if pos < n:
+                continue
+            if pos - n < len(out):
+                out[pos - n] = token
+            elif pos - n == len(out):
+                out.append(token)
+            else:
+                raise RuntimeError(f"request {self.req_id}: token for position {pos} arrived with only "
+                                   f"{n + len(out)} known")
+
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
@@ -112,6 +128,10 @@ class PersistentBatch:
                 tokens = cached.all_token_ids[req_id]
                 del state.output_token_ids[:]
                 state.output_token_ids.extend(tokens[len(state.prompt_token_ids):])
+            if cached.new_token_ids:
+                # Pipeline parallel: the scheduler sends each request's tokens
+                # for this step (stages before the last never sample them).
+                state.place_tokens(state.num_computed_tokens, cached.new_token_ids[i])
             if cached.num_output_tokens[i] < len(state.output_token_ids):
                 del state.output_token_ids[cached.num_output_tokens[i]:]
             if req_id not in self.row_of:

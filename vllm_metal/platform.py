@@ -7,6 +7,7 @@ resolution), and it never imports MLX: the worker does, in the engine process.
 
 from __future__ import annotations
 
+import os
 import platform as _host
 
 import torch
@@ -35,8 +36,11 @@ class MetalPlatform(Platform):
     # OOT, not CPU: vLLM routes is_cpu() platforms to its compiled torch.ops._C
     # sampling kernels, which this platform never loads.
     _enum = PlatformEnum.OOT
-    device_name: str = "mlx"
-    # Host tensors (sampling, logits) are torch CPU tensors; the model runs in MLX.
+    # Host tensors (sampling, logits) are torch CPU tensors; the model runs in
+    # MLX. vLLM builds torch devices from device_name (its process groups
+    # under tensor/pipeline parallel: torch.device(f"{device_name}:{rank}")),
+    # so it names torch's device; get_device_name says what the MLX device is.
+    device_name: str = "cpu"
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     ray_device_key: str = ""
@@ -189,11 +193,7 @@ class MetalPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.worker.MetalWorker"
-        if parallel.world_size > 1:
-            raise ValueError("vllm-metal runs one worker on one device: tensor/pipeline/data "
-                             f"parallel size must be 1 (got world size {parallel.world_size})")
-        if parallel.distributed_executor_backend in (None, "mp"):
-            parallel.distributed_executor_backend = "uni"
+        cls._configure_parallel(parallel)
         # Async scheduling stays vLLM's choice (on by default): the runner
         # starts a step's evaluation and lets the engine schedule the next
         # step meanwhile (model_runner.py); not with a KV connector (below).
@@ -245,6 +245,43 @@ class MetalPlatform(Platform):
             logger.info("vllm-metal: async scheduling off with a KV connector (its loads and saves wait "
                         "for each step's evaluation, and a failed load must roll back before the next step)")
             vllm_config.scheduler_config.async_scheduling = False
+
+    @classmethod
+    def _configure_parallel(cls, parallel) -> None:
+        """One rank: vLLM's in-process "uni" executor. Several (tensor /
+        pipeline parallel, distributed/): vLLM's multiprocess executor, one
+        spawned worker per rank (spawn: a fork after Metal or MLX's threads
+        started crashes or deadlocks), or Ray if the user chose it."""
+        if parallel.data_parallel_size > 1:
+            raise ValueError("vllm-metal does not run data parallel (--data-parallel-size "
+                             f"{parallel.data_parallel_size}): start one server per Mac and balance in front")
+        for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise ValueError(f"vllm-metal does not support context parallel ({name}={getattr(parallel, name)})")
+        if parallel.enable_expert_parallel:
+            raise ValueError("vllm-metal does not support expert parallel (--enable-expert-parallel)")
+        if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
+            from vllm_metal.distributed.topology import PP_TIMES_TP_REFUSAL
+
+            raise ValueError(PP_TIMES_TP_REFUSAL)
+        if parallel.world_size == 1:
+            if parallel.distributed_executor_backend in (None, "mp"):
+                parallel.distributed_executor_backend = "uni"
+            return
+        if parallel.distributed_executor_backend in (None, "uni"):
+            parallel.distributed_executor_backend = "mp"
+        if parallel.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"vllm-metal runs several ranks with vLLM's mp or ray executor, not "
+                             f"{parallel.distributed_executor_backend!r}")
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if parallel.nnodes > 1 and "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in os.environ:
+            # The engine waits for the answer of the last stage's first rank;
+            # on another host vLLM cannot see that rank die, so a step it
+            # never answers fails after this long (vLLM's default: 300 s).
+            # Lost ranks are otherwise found in seconds (distributed/liveness.py).
+            os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = envs.get("VLLM_METAL_STEP_TIMEOUT")
+        if parallel.distributed_timeout_seconds is None:
+            parallel.distributed_timeout_seconds = int(envs.get("VLLM_METAL_DISTRIBUTED_TIMEOUT"))
 
     @classmethod
     def _configure_kv_disk(cls, vllm_config) -> None:

@@ -1,11 +1,18 @@
 """The vLLM worker: process and device lifecycle, memory, and the KV cache size.
 
-Runs inside vLLM's engine process (the "uni" executor, one worker). Model
-execution is the MetalModelRunner's job; this class picks the MLX device,
-loads the model, tells the engine how much KV cache fits, and forwards steps.
+Runs inside vLLM's engine process (the "uni" executor, one worker), or one
+per rank in worker processes of vLLM's multiprocess executor (tensor /
+pipeline parallel: distributed/join.py). Model execution is the
+MetalModelRunner's job; this class picks the MLX device, joins the other
+ranks, loads the model, tells the engine how much KV cache fits, and
+forwards steps.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
 
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import set_random_seed
@@ -46,7 +53,14 @@ class MetalWorker(WorkerBase):
         set_random_seed(self.model_config.seed)
         mx.random.seed(self.model_config.seed or 0)
         logger.info("vllm-metal: %s", short_report(self.device_name))
-        self.model_runner = MetalModelRunner(self.vllm_config, self.device_name)
+        self.joined = None
+        if self.parallel_config.world_size > 1:
+            from vllm_metal.distributed.join import join
+
+            self.joined = join(self.vllm_config, self.rank, self.local_rank, self.distributed_init_method,
+                               self.device_name)
+        self.model_runner = MetalModelRunner(self.vllm_config, self.device_name,
+                                             self.joined.plan if self.joined is not None else None)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
@@ -71,8 +85,11 @@ class MetalWorker(WorkerBase):
         weights = self.model_runner.weights_bytes()
         used = max(psutil.Process().memory_info().rss - weights, 0) if self.device_name == "cpu" \
             else max(mx.get_active_memory() - weights, 0)
+        # Ranks on one host share its memory evenly.
+        parallel = self.parallel_config
+        local_ranks = max(parallel.world_size // max(parallel.nnodes, 1), 1)
         budget = memory.kv_cache_budget(
-            device=self.device_name, total=memory.device_total_memory(self.device_name),
+            device=self.device_name, total=memory.device_total_memory(self.device_name) // local_ranks,
             utilization=self.cache_config.gpu_memory_utilization, weights=weights, other_used=used,
             explicit=self.cache_config.kv_cache_memory_bytes)
         # vLLM plans one tensor per layer of each cache group, shared across
@@ -115,10 +132,35 @@ class MetalWorker(WorkerBase):
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def execute_model(self, scheduler_output):
-        return self.model_runner.execute_model(scheduler_output)
+        with self._rank_failure_exits():
+            return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output):
-        return self.model_runner.sample_tokens(grammar_output)
+        with self._rank_failure_exits():
+            return self.model_runner.sample_tokens(grammar_output)
+
+    @contextmanager
+    def _rank_failure_exits(self):
+        """In a multi-rank run a step that fails on one rank -- most often a
+        peer that died or became unreachable (MLX's ring reports the lost
+        connection) -- ends this worker process: vLLM hears only the output
+        rank's answer, so an error elsewhere would leave the engine waiting,
+        while a worker that exits is seen at once by vLLM's worker monitor
+        (the engine then fails its requests and the server exits), and its
+        own neighbours' transfers fail in turn, so the failure reaches the
+        host running the engine."""
+        try:
+            yield
+        except Exception as e:
+            if self.joined is None:
+                raise
+            t = self.joined.topology
+            logger.error("vllm-metal rank %d (pp %d/%d, tp %d/%d) stops: its step failed: %s: %s. The other "
+                         "ranks and the server stop too.", t.rank, t.pp_rank, t.pp, t.tp_rank, t.tp,
+                         type(e).__name__, e)
+            for handler in logging.getLogger("vllm").handlers:
+                handler.flush()
+            os._exit(70)
 
     def take_draft_token_ids(self):
         return None
@@ -150,3 +192,5 @@ class MetalWorker(WorkerBase):
         if connector is not None:
             connector.shutdown()  # saves in flight reach the disk
         self.model_runner = None
+        if getattr(self, "joined", None) is not None:
+            self.joined.liveness.close()  # an orderly stop: the peers are told

@@ -69,6 +69,16 @@ class LoadedModel:
     fused: dict = field(default_factory=dict)
     # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
     norm_rope: dict = field(default_factory=dict)
+    # Pipeline parallel (distributed/pipeline.py): the layers this rank runs
+    # and caches (all of them otherwise), whether it computes the logits, and
+    # the transport whose sends a step evaluates with its caches.
+    owned: range | None = None
+    last_stage: bool = True
+    transport: object = None
+    tp_projections: int = 0  # projections split by tensor parallel (0: none)
+
+    def owns(self, layer: int) -> bool:
+        return self.owned is None or layer in self.owned
 
     def kv_summary(self) -> str:
         """The cache shapes in words: '3 KV heads of 64' where every layer is
@@ -94,7 +104,11 @@ class LoadedModel:
         keys[i] the convolution states, values[i] the recurrent states (None
         where the layer has none: lfm2's short convolutions)."""
         keys, values = [], []
-        for kv, g in zip(self.layer_kv, layer_group):
+        for i, (kv, g) in enumerate(zip(self.layer_kv, layer_group)):
+            if not self.owns(i):  # another pipeline stage's layer
+                keys.append(None)
+                values.append(None)
+                continue
             if kv.layout == "state":
                 conv, *recurrent = kv.state_shapes
                 keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
@@ -112,11 +126,12 @@ class LoadedModel:
         """Some layers are linear attention (a hybrid model)."""
         return any(kv.layout == "state" for kv in self.layer_kv)
 
-    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array:
+    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array | None:
         """One packed step (step_inputs.StepInputs) through every layer and the
         head: lazy float32 logits of the hidden rows `logit_rows`; the caches
         in `kv` are replaced by their written versions (evaluate them with the
-        logits)."""
+        logits). A pipeline stage before the last returns None: its output
+        leaves through the transport (evaluate `transport.take_pending()`)."""
         kv.retained = []
         kv.step = StepAttentionInputs(
             positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
@@ -126,6 +141,8 @@ class LoadedModel:
             linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions) if self.has_linear else None)
         try:
             hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            if not self.last_stage:
+                return None
             return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
         finally:
             kv.step = None
@@ -181,8 +198,26 @@ def _has_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
+@dataclass
+class ParallelPlan:
+    """This rank's part of a multi-rank model (the worker builds it:
+    distributed/). Tensor parallel: rank `tp_rank` of `tp`, `reduce` sums
+    over the TP group. Pipeline parallel: stage `pp_rank` of `pp`, layers
+    per stage from `layer_split(num_layers)`, hidden states moved by
+    `transport`."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    reduce: object = None
+    pp_rank: int = 0
+    pp: int = 1
+    layer_split: object = None
+    transport: object = None
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
-               materialize: bool = True, fuse: bool = False, norm_rope: bool = False) -> LoadedModel:
+               materialize: bool = True, fuse: bool = False, norm_rope: bool = False,
+               parallel: ParallelPlan | None = None) -> LoadedModel:
     """Load `model_dir` (an mlx-lm directory) for the paged path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
@@ -192,7 +227,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     fuse: one matmul per group of projections reading the same input
     (models/fused_projections.py; the CPU device wants this). norm_rope:
     RMSNorm and RoPE through vllm-metal's primitives (models/cpu_norm_rope.py;
-    the CPU device wants this).
+    the CPU device wants this). parallel: this rank's share of a
+    tensor/pipeline-parallel model; the weights load lazily and only this
+    rank's are read (its layers, its shard; the embedding and head on the
+    first and last stages).
     """
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -202,7 +240,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     path = resolve_model_dir(str(model_dir))
     check_served(_model_type(path))  # before building anything: one message naming the family
     try:
-        model, config = mlx_lm_load_model(path, lazy=not materialize)
+        model, config = mlx_lm_load_model(path, lazy=not materialize or parallel is not None)
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
         raise NotImplementedError(f"mlx-lm cannot build model type "
                                   f"{_model_type(path)!r} from {path / 'config.json'}: "
@@ -215,6 +253,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if dequantize and _has_quantized(model):
         model = dequantize_model(model)
     model.set_dtype(DTYPES[dtype])  # floating parameters only; quantized ints stay
+    tp_done = 0
+    if parallel is not None and parallel.tp > 1:
+        from vllm_metal.distributed.tensor_parallel import shard_model
+
+        tp_done = shard_model(model, config, parallel.tp_rank, parallel.tp, parallel.reduce)
 
     inner = getattr(model, "model", None)
     layers = getattr(model, "layers", None) or getattr(inner, "layers", None)
@@ -253,13 +296,41 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                 raise NotImplementedError(
                     f"model type {config.get('model_type')!r} with rope scaling {rope_config!r} cannot be "
                     f"served by vllm-metal: {e}") from e
-    fused = fuse_projections(model, layers, PagedAttentionLayer) if fuse and materialize else {}
-    norm_rope_done = use_cpu_norm_rope(model, layers, PagedAttentionLayer) if norm_rope and materialize else {}
+    layers = list(layers)  # the real layers (the decoder's own list may get stage wrappers next)
+    owned, first, last = range(len(layers)), True, True
+    if parallel is not None and parallel.pp > 1:
+        owned, first, last = _split_stages(model, config, layers, layer_kv, parallel)
+    mine = [layers[i] for i in owned]
+    fused = fuse_projections(model, mine, PagedAttentionLayer) if fuse and materialize else {}
+    norm_rope_done = use_cpu_norm_rope(model, mine, PagedAttentionLayer) if norm_rope and materialize else {}
     if materialize:
-        mx.eval(model.parameters())
+        # A middle stage reads only its layers; the embedding and head load
+        # on the first and last (lazily elsewhere: loaded if ever used).
+        mx.eval(model.parameters() if first or last else [layer.parameters() for layer in mine])
+    staged = parallel is not None and parallel.pp > 1
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
-                       fused=fused, norm_rope=norm_rope_done)
+                       fused=fused, norm_rope=norm_rope_done, owned=owned if staged else None, last_stage=last,
+                       transport=parallel.transport if staged else None, tp_projections=tp_done)
+
+
+def _split_stages(model: nn.Module, config: dict, layers: list, layer_kv: list[LayerKV],
+                  parallel: ParallelPlan) -> tuple[range, bool, bool]:
+    """This stage's layers, with the decoder's layer list rewired (distributed/pipeline.py)."""
+    from vllm_metal.distributed.pipeline import split_stages
+    from vllm_metal.distributed.topology import stage_layers
+
+    split = parallel.layer_split(len(layers))
+    owned = stage_layers(split, parallel.pp_rank)
+    for i in owned:
+        source = layer_kv[i].source
+        if source is not None and source not in owned:
+            raise NotImplementedError(f"model type {config.get('model_type')!r}: layer {i} reads layer {source}'s "
+                                      f"KV cache, which the layer split {split} puts on another pipeline stage")
+    decoder = decoder_owner(model)["model"]
+    split_stages(decoder.layers, owned, parallel.transport, first=parallel.pp_rank == 0,
+                 last=parallel.pp_rank == parallel.pp - 1)
+    return owned, parallel.pp_rank == 0, parallel.pp_rank == parallel.pp - 1
 
 
 def _layer_kv(attention, index: int, inner: nn.Module, windows: list, earlier: list[LayerKV],

@@ -1,0 +1,163 @@
+"""Tensor and pipeline parallel through vLLM's engine on one host: one spawned
+worker process per rank (vLLM's multiprocess executor), MLX's ring over
+loopback as the data plane.
+
+Against one rank: the golden greedy tokens of the embedded model (bit-exact,
+single-host, tests/plugin/golden_tokens.json) and the single-rank engine's
+prompt and sampled log-probabilities (float tolerance: tensor parallel sums
+in another order); batched == solo. A rank killed mid-generation fails the
+request with an error within a bound (never a hang), and the engine stops.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from engine_helpers import GOLDEN, engine
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+PROMPTS = [g["prompt_ids"] for g in GOLDEN[:4]] + [GOLDEN[-2]["prompt_ids"]]
+GREEDY = [g["greedy_ids"][:16] for g in GOLDEN[:4]] + [GOLDEN[-2]["greedy_ids"][:16]]
+LOGPROB_TOL = 2e-4
+
+
+def generate(llm, prompts, max_tokens=16):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    prompt_lp = [np.array([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]) for o, p in zip(outs, prompts)]
+    sampled_lp = [np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                  for o in outs]
+    return tokens, prompt_lp, sampled_lp
+
+
+def compare(got, want, label):
+    tokens, prompt_lp, sampled_lp = got
+    assert tokens == want[0], f"{label}: greedy tokens differ from one rank's"
+    for a, b in zip(prompt_lp, want[1]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGPROB_TOL, err_msg=f"{label}: prompt logprobs")
+    for a, b in zip(sampled_lp, want[2]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGPROB_TOL, err_msg=f"{label}: sampled logprobs")
+
+
+ARGS = dict(max_model_len=1024, kv_cache_memory_bytes=48 << 20, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir):
+    with engine(model_dir, **ARGS) as llm:
+        out = generate(llm, PROMPTS)
+    assert out[0] == GREEDY
+    return out
+
+
+def workers_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.workers
+
+
+def kill_mid_generation(llm, rank: int, bound_s: float = 60.0):
+    """Kills worker `rank` while a long generation runs; returns the error and
+    how long the generation took to fail."""
+    result = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                         SamplingParams(temperature=0, max_tokens=900, ignore_eos=True), use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 -- what the test looks at
+            result["error"] = e
+        result["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(1.5)
+    victim = next(w for w in workers_of(llm) if w.rank == rank)
+    victim.proc.kill()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"generation still running {bound_s:.0f} s after rank {rank} was killed (a hang)"
+    return result
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (1, 3)], ids=["pp2", "pp3", "tp3"])
+def test_default_model_across_ranks_equals_one_rank(pp, tp, model_dir, one_rank):
+    with engine(model_dir, pipeline_parallel_size=pp, tensor_parallel_size=tp, **ARGS) as llm:
+        assert len(workers_of(llm)) == pp * tp
+        compare(generate(llm, PROMPTS), one_rank, f"pp={pp} tp={tp} batched")
+        solo = [generate(llm, [p]) for p in PROMPTS[:2]]
+        assert [s[0][0] for s in solo] == one_rank[0][:2], f"pp={pp} tp={tp}: solo != batched"
+        if pp == 2:
+            # The last stage (the rank that answers the engine) dies mid-generation.
+            result = kill_mid_generation(llm, rank=1)
+            assert "error" in result, "the generation finished although a rank died"
+            with pytest.raises(Exception):  # the engine is dead: later requests fail at once
+                llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])], SamplingParams(max_tokens=2),
+                             use_tqdm=False)
+
+
+def test_tensor_parallel_two_on_a_tiny_llama(model_dir, tmp_path):
+    from families import build
+
+    path = build("llama", tmp_path / "llama", model_dir)  # 4 heads, 2 KV heads, MLP 128: TP=2 splits
+    prompts = [p[:40] for p in PROMPTS]
+    args = dict(max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    with engine(path, **args) as llm:
+        want = generate(llm, prompts, max_tokens=8)
+    with engine(path, tensor_parallel_size=2, **args) as llm:
+        compare(generate(llm, prompts, max_tokens=8), want, "tiny llama tp=2")
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads_is_refused(model_dir):
+    # The embedded model has 9 query heads and 3 KV heads: TP=2 cannot split them.
+    with pytest.raises(Exception, match="divisible by tensor parallel size|does not divide"):
+        with engine(model_dir, tensor_parallel_size=2, **ARGS):
+            pass
+
+
+def test_tensor_times_pipeline_parallel_is_refused_before_any_worker_starts(model_dir):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="does not combine tensor and pipeline parallel"):
+        with engine(model_dir, tensor_parallel_size=3, pipeline_parallel_size=2, **ARGS):
+            pass
+    assert time.monotonic() - start < 30
+
+
+def parallel_config(**kw):
+    from types import SimpleNamespace
+
+    base = dict(data_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                enable_expert_parallel=False, tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1,
+                distributed_executor_backend=None, distributed_timeout_seconds=None)
+    base.update(kw)
+    base["world_size"] = base["tensor_parallel_size"] * base["pipeline_parallel_size"]
+    return SimpleNamespace(**base)
+
+
+def test_platform_parallel_settings(monkeypatch):
+    from vllm_metal.platform import MetalPlatform
+
+    for name in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+    one = parallel_config()
+    MetalPlatform._configure_parallel(one)
+    assert one.distributed_executor_backend == "uni"
+    pp = parallel_config(pipeline_parallel_size=2, distributed_executor_backend="uni")
+    MetalPlatform._configure_parallel(pp)
+    assert pp.distributed_executor_backend == "mp" and pp.distributed_timeout_seconds == 300
+    import os
+
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # never fork after MLX / Metal started
+    assert "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in os.environ  # one host: vLLM sees its workers die
+    MetalPlatform._configure_parallel(parallel_config(pipeline_parallel_size=2, nnodes=2))
+    assert os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120"
+    for kw, match in [(dict(data_parallel_size=2), "does not run data parallel"),
+                      (dict(decode_context_parallel_size=2), "context parallel"),
+                      (dict(enable_expert_parallel=True), "expert parallel"),
+                      (dict(tensor_parallel_size=2, pipeline_parallel_size=2), "does not combine"),
+                      (dict(tensor_parallel_size=2, distributed_executor_backend="external_launcher"), "mp or ray")]:
+        with pytest.raises(ValueError, match=match):
+            MetalPlatform._configure_parallel(parallel_config(**kw))
