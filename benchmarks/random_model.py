@@ -28,6 +28,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # 1 GiB of float32 K/V (4 layers x 8 KV heads x 128 x 2 x 4 bytes = 32 KiB a
 # token), and as little attention compute as that allows (no GQA sharing).
 SHAPES: dict[str, dict] = {
+    # benchmarks/bench_pipeline.py: a llama of ~0.25B parameters (16 layers of
+    # hidden 1024, GQA 16/4), about 1 GiB of float32 weights: one decode step
+    # reads it all, so compute is far from negligible next to the links.
+    "llama-pipeline": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=49152, bos_token_id=1, eos_token_id=2, torch_dtype="float32"),
     "llama-1gib": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024, intermediate_size=2816,
         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=128,

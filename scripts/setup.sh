@@ -18,9 +18,10 @@ if [[ "$(uname -s)" == "Linux" ]]; then
   # through the BLAS shim the extension build makes, LAPACK to Debian's),
   # a C/C++ compiler for the build, and
   # clang 19 + compiler-rt for the Metal checks (tests/metal: the MSL
-  # executor and the macOS compile check; see docs/metal.md).
+  # executor and the macOS compile check; see docs/metal.md), and iproute2
+  # for the multi-host tests' network namespaces (tests/distributed).
   need=()
-  for pkg in libopenblas0-pthread g++ clang-19 libclang-rt-19-dev; do
+  for pkg in libopenblas0-pthread g++ clang-19 libclang-rt-19-dev iproute2; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then

@@ -93,6 +93,16 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "Seconds every rank waits for the others at start-up (vLLM's --distributed-timeout-seconds, "
         "when that is unset): a host that never joins stops start-up after this long.",
     ),
+    "VLLM_METAL_RING_PORT": (
+        None,
+        "Tensor/pipeline parallel: rank r's MLX ring socket listens on this port + r (for "
+        "firewalls); any free port by default.",
+    ),
+    "VLLM_METAL_RING_VIA": (
+        None,
+        "Tensor/pipeline parallel: 'RANK=HOST:PORT,...', where the other ranks reach a rank "
+        "whose ring socket is behind a forwarded port or relay.",
+    ),
     "VLLM_METAL_STEP_TIMEOUT": (
         "120",
         "Across hosts: seconds the engine waits for a step's answer from another host before it "

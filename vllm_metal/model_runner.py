@@ -236,7 +236,8 @@ class MetalModelRunner:
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,
-                    self.block_sizes, m.num_layers, sum(a.nbytes for a in self.kv.arrays()) / 2**30)
+                    self.block_sizes, len(m.owned) if m.owned is not None else m.num_layers,
+                    sum(a.nbytes for a in self.kv.arrays()) / 2**30)
 
     def warm_up(self) -> None:
         """A small step shaped like real traffic, into the null block: one row

@@ -237,6 +237,11 @@ class MetalPlatform(Platform):
         compilation.cudagraph_capture_sizes = []
         if vllm_config.model_config is not None:
             vllm_config.model_config.enforce_eager = True
+        sched = vllm_config.scheduler_config
+        if parallel.pipeline_parallel_size > 1 and sched.scheduler_cls is None and not sched.async_scheduling:
+            from vllm_metal.distributed.scheduler import QUALNAME
+
+            sched.scheduler_cls = QUALNAME  # micro-batches kept apart (distributed/scheduler.py)
         cls._configure_kv_disk(vllm_config)
         # A step's connector output needs its evaluation (no overlap to gain),
         # and a failed block load rolls the request back after vLLM has
@@ -260,10 +265,6 @@ class MetalPlatform(Platform):
                 raise ValueError(f"vllm-metal does not support context parallel ({name}={getattr(parallel, name)})")
         if parallel.enable_expert_parallel:
             raise ValueError("vllm-metal does not support expert parallel (--enable-expert-parallel)")
-        if parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size > 1:
-            from vllm_metal.distributed.topology import PP_TIMES_TP_REFUSAL
-
-            raise ValueError(PP_TIMES_TP_REFUSAL)
         if parallel.world_size == 1:
             if parallel.distributed_executor_backend in (None, "mp"):
                 parallel.distributed_executor_backend = "uni"

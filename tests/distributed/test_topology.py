@@ -73,3 +73,30 @@ def test_partition_from_vllms_variable():
 
 def test_stage_layers():
     assert [list(stage_layers([2, 3, 1], s)) for s in range(3)] == [[0, 1], [2, 3, 4], [5]]
+
+
+def test_ring_hostfile_routes(monkeypatch):
+    from vllm_metal.distributed.ring import Peer, hostfile, listen_port
+
+    peers = [Peer(rank=r, host="10.0.0.%d" % (r + 1), port=5000 + r, free_memory=1, fingerprint={}) for r in range(3)]
+    monkeypatch.delenv("VLLM_METAL_RING_VIA", raising=False)
+    assert hostfile(peers, 0) == [["10.0.0.1:5000"], ["10.0.0.2:5001"], ["10.0.0.3:5002"]]
+    monkeypatch.setenv("VLLM_METAL_RING_VIA", "1=127.0.0.1:7001, 2=127.0.0.1:7002")
+    assert hostfile(peers, 1) == [["10.0.0.1:5000"], ["10.0.0.2:5001"], ["127.0.0.1:7002"]]  # own: where it listens
+    monkeypatch.setenv("VLLM_METAL_RING_PORT", "41000")
+    assert listen_port("127.0.0.1", 2) == 41002
+    monkeypatch.setenv("VLLM_METAL_RING_VIA", "one=host")
+    with pytest.raises(ValueError, match="not RANK=HOST:PORT"):
+        hostfile(peers, 0)
+
+
+def test_start_up_exchange_refuses_a_rank_that_differs():
+    from vllm_metal.distributed.ring import Peer, exchange
+
+    def peers(fp1):
+        return [Peer(0, "h0", 1, 1, {"model": "a", "mlx": "0.32.4"}), Peer(1, "h1", 2, 1, fp1)]
+
+    assert [p.rank for p in exchange(None, lambda _: list(reversed(peers({"model": "a", "mlx": "0.32.4"}))))] == [0, 1]
+    with pytest.raises(RuntimeError, match=r"rank 1 \(h1\) does not match rank 0 \(h0\): model: rank 0 has 'a', "
+                                           r"rank 1 has 'b'"):
+        exchange(None, lambda _: peers({"model": "b", "mlx": "0.32.4"}))

@@ -18,8 +18,8 @@ from vllm.logger import init_logger
 
 from vllm_metal import envs
 from vllm_metal.distributed.liveness import Liveness
-from vllm_metal.distributed.ring import Peer, exchange, free_port, init_group
-from vllm_metal.distributed.topology import PP_TIMES_TP_REFUSAL, Topology, parse_partition, split_by_memory
+from vllm_metal.distributed.ring import Peer, exchange, init_group, listen_port
+from vllm_metal.distributed.topology import Topology, parse_partition, split_by_memory
 from vllm_metal.models.loader import ParallelPlan
 
 logger = init_logger("vllm." + __name__)
@@ -134,7 +134,7 @@ def join(vllm_config, rank: int, local_rank: int, distributed_init_method: str, 
     topology = Topology(tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size, rank=rank)
     local_ranks = max(parallel.world_size // max(parallel.nnodes, 1), 1)
     liveness = Liveness(host)
-    me = Peer(rank=rank, host=host, port=free_port(host), free_memory=free_memory(device) // local_ranks,
+    me = Peer(rank=rank, host=host, port=listen_port(host, rank), free_memory=free_memory(device) // local_ranks,
               fingerprint=fingerprint(vllm_config), liveness_port=liveness.port)
     peers = exchange(me, gather)
     liveness.watch(rank, peers)
@@ -145,11 +145,10 @@ def join(vllm_config, rank: int, local_rank: int, distributed_init_method: str, 
 
 
 def _plan(topology: Topology, group, peers: list[Peer]) -> ParallelPlan:
+    from vllm_metal.distributed.comm import Comm
     from vllm_metal.distributed.pipeline import Chain
     from vllm_metal.distributed.tensor_parallel import all_sum_reduce
 
-    if topology.tp > 1 and topology.pp > 1:
-        raise NotImplementedError(PP_TIMES_TP_REFUSAL)
     stage_free = [min(p.free_memory for p in peers[s * topology.tp:(s + 1) * topology.tp])
                   for s in range(topology.pp)]
 
@@ -161,7 +160,15 @@ def _plan(topology: Topology, group, peers: list[Peer]) -> ParallelPlan:
                     ", ".join(f"{f / 2**30:.1f} GiB" for f in stage_free))
         return split
 
-    return ParallelPlan(tp_rank=topology.tp_rank, tp=topology.tp,
-                        reduce=all_sum_reduce(group) if topology.tp > 1 else None,
+    comm = Comm(group, topology.rank)
+    reduce = None
+    if topology.tp > 1 and topology.pp == 1:
+        reduce = all_sum_reduce(group)  # the group is the TP group: MLX's ring all-reduce
+    elif topology.tp > 1:
+        # A stage's ranks only: MLX's ring has no sub-groups; a chain over
+        # the stage's neighbouring ranks, ordered with the stage transfers.
+        def reduce(x):
+            return comm.chain_sum(x, topology.tp_rank, topology.tp)
+    return ParallelPlan(tp_rank=topology.tp_rank, tp=topology.tp, reduce=reduce,
                         pp_rank=topology.pp_rank, pp=topology.pp, layer_split=layer_split,
-                        transport=Chain(topology, group) if topology.pp > 1 else None)
+                        transport=Chain(topology, comm) if topology.pp > 1 else None)

@@ -25,30 +25,28 @@ from vllm_metal.distributed.topology import Topology
 
 
 class Chain:
-    """Stage transfers over MLX's distributed group (ring neighbours only):
-    a rank of a later stage receives from its left neighbour and, if it is
-    not its stage's last TP rank, passes the same rows on to its right; a
-    stage's last TP rank sends its output to the next stage's first rank."""
+    """Stage transfers over MLX's distributed group (ring neighbours only,
+    in order: comm.py): a rank of a later stage receives from its left
+    neighbour and, if it is not its stage's last TP rank, passes the same
+    rows on to its right; a stage's last TP rank sends its output to the
+    next stage's first rank."""
 
-    def __init__(self, topology: Topology, group):
-        self.topology, self.group = topology, group
-        self.pending: list[mx.array] = []  # this step's sends: evaluate them with the step
+    def __init__(self, topology: Topology, comm):
+        self.topology, self.comm = topology, comm
 
     def receive(self, like: mx.array) -> mx.array:
         t = self.topology
-        h = mx.distributed.recv_like(like, t.rank - 1, group=self.group)
+        h = self.comm.recv_like(like, t.rank - 1)
         if t.forwards:
-            self.pending.append(mx.distributed.send(h, t.rank + 1, group=self.group))
+            self.comm.send(h, t.rank + 1)
         return h
 
     def send(self, h: mx.array) -> None:
-        t = self.topology
-        if t.sends:
-            self.pending.append(mx.distributed.send(h, t.rank + 1, group=self.group))
+        if self.topology.sends:
+            self.comm.send(h, self.topology.rank + 1)
 
     def take_pending(self) -> list[mx.array]:
-        pending, self.pending = self.pending, []
-        return pending
+        return self.comm.take_pending()
 
 
 class _Skipped(nn.Module):

@@ -80,9 +80,32 @@ def exchange(me: Peer, gather) -> list[Peer]:
     return peers
 
 
-def hostfile(peers: list[Peer]) -> list[list[str]]:
-    """MLX's ring hostfile: per rank, the addresses it listens on."""
-    return [[f"{p.host}:{p.port}"] for p in peers]
+def listen_port(host: str, rank: int) -> int:
+    """VLLM_METAL_RING_PORT=P: rank r listens on P + r (ports to open in a
+    firewall); otherwise any free port."""
+    base = envs.get("VLLM_METAL_RING_PORT")
+    return int(base) + rank if base else free_port(host)
+
+
+def routes() -> dict[int, str]:
+    """VLLM_METAL_RING_VIA="1=host:port,2=host:port": where the other ranks
+    reach rank r when that is not where it listens (a forwarded port, a
+    relay; benchmarks/bench_pipeline.py puts a delaying proxy there)."""
+    text = (envs.get("VLLM_METAL_RING_VIA") or "").strip()
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        rank, sep, address = item.partition("=")
+        if not sep or not rank.strip().isdigit() or ":" not in address:
+            raise ValueError(f"VLLM_METAL_RING_VIA: {item!r} is not RANK=HOST:PORT")
+        out[int(rank)] = address.strip()
+    return out
+
+
+def hostfile(peers: list[Peer], me: int) -> list[list[str]]:
+    """MLX's ring hostfile as rank `me` writes it: its own entry is where it
+    listens, the others' where it reaches them (VLLM_METAL_RING_VIA)."""
+    via = routes()
+    return [[f"{p.host}:{p.port}" if p.rank == me or p.rank not in via else via[p.rank]] for p in peers]
 
 
 def init_group(topology: Topology, peers: list[Peer], gather_bytes=None):
@@ -95,7 +118,7 @@ def init_group(topology: Topology, peers: list[Peer], gather_bytes=None):
     if backend == "ring":
         path = os.path.join(tempfile.mkdtemp(prefix="vllm-metal-ring-"), "hosts.json")
         with open(path, "w") as f:
-            json.dump(hostfile(peers), f)
+            json.dump(hostfile(peers, topology.rank), f)
         os.environ["MLX_HOSTFILE"] = path
         os.environ["MLX_RANK"] = str(topology.rank)
         group = mx.distributed.init(strict=True, backend="ring")

@@ -122,6 +122,14 @@ def shard_model(model: nn.Module, config: dict, tp_rank: int, tp: int, reduce) -
     except ValueError as e:  # shard_linear: a size that does not split
         raise ValueError(f"tensor parallel size {tp} cannot split {model_type!r}: {e}") from e
     done = _replace_sharded(model, reduce)
+    left = [name for name, module in model.named_modules()
+            if any(isinstance(v, _Shape) for v in vars(module).values())]
+    if left:
+        # mlx-lm's shard() also split layers that sum over the group in their
+        # own code (MoE experts' sharding_group, ...): not served.
+        raise NotImplementedError(f"tensor parallel: {model_type!r} has layers mlx-lm shards with their own "
+                                  f"collectives ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}), which "
+                                  "vllm-metal does not run; use pipeline parallel for this model")
     if not done:
         raise NotImplementedError(f"tensor parallel: mlx-lm's shard() split nothing in {model_type!r}")
     return done

@@ -13,17 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-# Tensor parallel inside pipeline stages needs a sum over one stage's ranks;
-# MLX's ring backend has one group over all ranks (Group.split is not
-# supported) and sends only to its two neighbours, and a sum built from
-# neighbour sends would need a receive ordered after a send, which MLX's
-# graph does not promise (a receive has no inputs).
-PP_TIMES_TP_REFUSAL = (
-    "vllm-metal does not combine tensor and pipeline parallel (--tensor-parallel-size > 1 with "
-    "--pipeline-parallel-size > 1): MLX's ring backend has one group over all ranks and cannot sum over one "
-    "stage's ranks only. Use one of them: pipeline parallel across hosts, or tensor parallel alone.")
-
-
 @dataclass(frozen=True)
 class Topology:
     tp: int  # tensor-parallel size: ranks sharing each stage's layers
