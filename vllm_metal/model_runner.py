@@ -151,9 +151,7 @@ class MetalModelRunner:
                     "".join(f"; {e}" for e in extras))
 
     def weights_bytes(self) -> int:
-        from mlx.utils import tree_flatten
-
-        return sum(v.nbytes for _, v in tree_flatten(self.mlx_model.model.parameters()))
+        return self.mlx_model.weights_bytes  # this rank's resident weights (loader.py)
 
     def layer_name(self, i: int) -> str:
         return f"model.layers.{i}.self_attn"

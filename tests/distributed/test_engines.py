@@ -158,6 +158,7 @@ def test_platform_parallel_settings(monkeypatch):
     for kw, match in [(dict(data_parallel_size=2), "does not run data parallel"),
                       (dict(decode_context_parallel_size=2), "context parallel"),
                       (dict(enable_expert_parallel=True), "expert parallel"),
-                      (dict(tensor_parallel_size=2, distributed_executor_backend="external_launcher"), "mp or ray")]:
+                      (dict(tensor_parallel_size=2, distributed_executor_backend="external_launcher"), "not 'ext"),
+                      (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), "not 'ray'")]:
         with pytest.raises(ValueError, match=match):
             MetalPlatform._configure_parallel(parallel_config(**kw))

@@ -24,7 +24,7 @@ from pathlib import Path
 import netns
 import pytest
 from engine_helpers import GOLDEN
-from server_helpers import free_port, vllm_command
+from server_helpers import free_port, vllm_command, wait_healthy
 
 # Skipped where namespaces cannot be made (not root, no iproute2) -- except
 # in CI (scripts/test.sh sets CI=1), where root and iproute2 are provided
@@ -72,21 +72,6 @@ def two_hosts(models: list[str], tmp_path: Path):
                 p.wait(30)
 
 
-def wait_ready(base: str, server, log: Path, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"node 0 exited ({server.returncode}) before ready:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
 def complete(base: str, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
     body = json.dumps({"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "return_token_ids": True}).encode()
@@ -97,7 +82,7 @@ def complete(base: str, prompt: list[int], max_tokens: int, timeout: float = 120
 
 def test_pipeline_across_two_hosts_then_a_host_dies(model_dir, tmp_path):
     with two_hosts([model_dir, model_dir], tmp_path) as (base, procs, names, logs):
-        wait_ready(base, procs[0], logs[0])
+        wait_healthy(base, procs[0], 240.0, logs[0])
         for g in (GOLDEN[0], GOLDEN[-2]):
             assert complete(base, g["prompt_ids"], 16) == g["greedy_ids"][:16]
         assert "joined the MLX group" in logs[1].read_text()  # the second host ran a stage

@@ -124,6 +124,10 @@ def test_three_stages_and_each_stage_caches_only_its_layers(model_dir, tmp_path)
     names = [{k.split(".")[2] for k, _ in tree_flatten(m.model.parameters()) if k.startswith("model.layers.")}
              for m in stages]
     assert names == [{"0"}, {"1"}, {"2"}]
+    # The memory budget counts what a stage holds: the middle one only its layer's weights.
+    middle = sum(v.nbytes for _, v in tree_flatten(stages[1].model.model.layers[1].parameters()))
+    assert stages[1].weights_bytes == middle
+    assert stages[0].weights_bytes > middle and stages[2].weights_bytes > middle  # + embedding / head
 
 
 def test_a_family_layer_that_returns_no_array_is_refused_at_the_hand_over():

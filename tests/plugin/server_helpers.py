@@ -41,25 +41,33 @@ def vllm_server(model_dir: str, *extra_args: str, env: dict | None = None, log_p
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} before becoming ready"
-                                   + (f"; log: {log_path}" if log_path else ""))
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not ready after {timeout:.0f}s")
-            time.sleep(0.5)
+        wait_healthy(base, proc, timeout, log_path)
         yield base, proc
     finally:
         stop_server(proc)
         if log_path:
             log.close()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, log_path: Path | None = None) -> None:
+    """Until `base`/health answers 200; raises if the server exits first or
+    is not ready within `timeout` seconds (with the log's tail, if any)."""
+    def tail() -> str:
+        return f"; log: {log_path}\n{Path(log_path).read_text()[-3000:]}" if log_path else ""
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode} before becoming ready" + tail())
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vllm serve not ready after {timeout:.0f}s" + tail())
+        time.sleep(0.5)
 
 
 def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> float:

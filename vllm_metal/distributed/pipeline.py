@@ -114,11 +114,3 @@ def split_stages(layers: list, owned: range, transport, first: bool, last: bool)
             layers[i] = _StageLayer(layers[i], transport, entry=i == owned.start and not first,
                                     exit=i == owned.stop - 1 and not last)
 
-
-def stage_layer(layer: nn.Module) -> nn.Module | None:
-    """The real layer behind a stage entry (None for another stage's)."""
-    if isinstance(layer, _Skipped):
-        return None
-    if isinstance(layer, _StageLayer):
-        return layer["layer"]
-    return layer

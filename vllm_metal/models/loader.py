@@ -76,6 +76,7 @@ class LoadedModel:
     last_stage: bool = True
     transport: object = None
     tp_projections: int = 0  # projections split by tensor parallel (0: none)
+    weights_bytes: int = 0  # the weights this rank holds (a pipeline stage: its layers, embedding / head)
 
     def owns(self, layer: int) -> bool:
         return self.owned is None or layer in self.owned
@@ -232,6 +233,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     rank's are read (its layers, its shard; the embedding and head on the
     first and last stages).
     """
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -303,15 +305,17 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     mine = [layers[i] for i in owned]
     fused = fuse_projections(model, mine, PagedAttentionLayer) if fuse and materialize else {}
     norm_rope_done = use_cpu_norm_rope(model, mine, PagedAttentionLayer) if norm_rope and materialize else {}
+    # A middle stage reads only its layers; the embedding and head load on
+    # the first and last (lazily elsewhere: loaded if ever used).
+    resident = model.parameters() if first or last else [layer.parameters() for layer in mine]
     if materialize:
-        # A middle stage reads only its layers; the embedding and head load
-        # on the first and last (lazily elsewhere: loaded if ever used).
-        mx.eval(model.parameters() if first or last else [layer.parameters() for layer in mine])
+        mx.eval(resident)
     staged = parallel is not None and parallel.pp > 1
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
                        fused=fused, norm_rope=norm_rope_done, owned=owned if staged else None, last_stage=last,
-                       transport=parallel.transport if staged else None, tp_projections=tp_done)
+                       transport=parallel.transport if staged else None, tp_projections=tp_done,
+                       weights_bytes=sum(v.nbytes for _, v in tree_flatten(resident)))
 
 
 def _split_stages(model: nn.Module, config: dict, layers: list, layer_kv: list[LayerKV],
