@@ -1,4 +1,4 @@
-"""Before/after of the Linux BLAS fix (vllm_metal/fast_blas.py), reported not asserted.
+"""Before/after of the Linux BLAS fix (vllm_metal/native/fast_blas.py), reported not asserted.
 
 Runs the same measurements in fresh processes, one per VLLM_METAL_BLAS
 setting: MLX's bundled reference BLAS (`reference`), the system OpenBLAS alone
@@ -20,10 +20,10 @@ import sys
 
 MEASURE = r"""
 import json, time
-from vllm_metal import ops  # preloads (or not) the BLAS before mlx
+from vllm_metal.native import ops  # preloads (or not) the BLAS before mlx
 import mlx.core as mx
-from vllm_metal import fast_blas
-from vllm_metal.default_model import ensure_default_model
+from vllm_metal.native import fast_blas
+from vllm_metal.formats.default_model import ensure_default_model
 from vllm_metal.models.loader import load_model
 from vllm_metal.models.attention_adapter import PagedKVCache, StepAttentionInputs
 import numpy as np

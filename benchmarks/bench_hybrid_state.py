@@ -21,14 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from random_model import build_named  # noqa: E402
 from vllm_metal.models.loader import load_model  # noqa: E402
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs  # noqa: E402
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs  # noqa: E402
 
 CONTEXT = 512  # tokens already in each row's cache
 STATE_BLOCK = 4096  # the state group's block size: one block covers a whole request (vLLM: max_model_len)

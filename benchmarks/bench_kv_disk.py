@@ -31,7 +31,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_METAL_DEVICE", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from vllm_metal import ops  # noqa: E402,F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: E402,F401  (fast BLAS before mlx)
 
 import numpy as np  # noqa: E402
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", help="where the block files go (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    from vllm_metal.default_model import ensure_default_model
+    from vllm_metal.formats.default_model import ensure_default_model
 
     base = Path(args.dir or tempfile.mkdtemp(prefix="kv-bench-"))
     base.mkdir(parents=True, exist_ok=True)

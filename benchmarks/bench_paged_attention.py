@@ -29,7 +29,7 @@ def _load_ext_override():
     if "--ext" not in sys.argv:
         return
     path = sys.argv[sys.argv.index("--ext") + 1]
-    from vllm_metal import fast_blas
+    from vllm_metal.native import fast_blas
 
     fast_blas.preload()
     import mlx.core  # noqa: F401  (libmlx first: the other build finds it loaded)
@@ -42,7 +42,7 @@ def _load_ext_override():
 
 _load_ext_override()
 
-from vllm_metal import ops  # first: gives MLX the fast BLAS
+from vllm_metal.native import ops  # first: gives MLX the fast BLAS
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

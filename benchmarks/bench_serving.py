@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         source = Path(args.model).expanduser().resolve()
     else:
-        from vllm_metal.default_model import ensure_default_model
+        from vllm_metal.formats.default_model import ensure_default_model
 
         source = Path(ensure_default_model())
     model_dir = convert_fp32.convert(source, BENCH_HOME / "models" / f"{source.name}-fp32")

@@ -1,7 +1,7 @@
 """Host cost of one decode step's inputs (token ids, positions, block tables,
 slot mappings) by batch size: tables rebuilt from the requests' block lists
 against the persistent batch's incrementally kept tables
-(vllm_metal.block_tables). No model, no MLX.
+(vllm_metal.engine.block_tables). No model, no MLX.
 
     .venv/bin/python benchmarks/bench_step_inputs.py
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from vllm_metal.block_tables import BlockTables
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.block_tables import BlockTables
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 BLOCK = 16
 

@@ -77,7 +77,7 @@ def convert(src: Path, out: Path, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", type=Path, help="MLX model directory (e.g. `python -m vllm_metal.default_model`)")
+    ap.add_argument("src", type=Path, help="MLX model directory (e.g. `python -m vllm_metal.formats.default_model`)")
     ap.add_argument("out", type=Path)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """Runs `mlx_lm.server` as a serving-benchmark peer: same BLAS as vllm-metal, no SSE comments.
 
 BLAS: MLX's CPU wheel links a reference BLAS; vllm-metal preloads Debian's
-OpenBLAS before `mlx.core` is imported (vllm_metal.fast_blas). The peer must
+OpenBLAS before `mlx.core` is imported (vllm_metal.native.fast_blas). The peer must
 get the same, or the comparison measures BLAS libraries, not servers. Before
 serving, this prints one line, `BLAS_CHECK {...}`, with the library loaded and
 a timed 1024^3 float32 matmul, so each benchmark log shows that it took effect.
@@ -26,7 +26,7 @@ import logging
 import sys
 import time
 
-from vllm_metal import fast_blas
+from vllm_metal.native import fast_blas
 
 MLX_LM_VERSION = "0.32.2"  # the mlx-lm whose ResponseGenerator.generate this wraps
 

@@ -40,7 +40,7 @@ Phases (wall time, `time.perf_counter`, one step = `execute_model` +
 - sample: everything after the evaluation, in two parts (both in the JSON):
   handoff, the rest of `execute_model` (logits to numpy and torch, the
   pending step), and sampler, `sample_tokens` (vLLM's `Sampler` through
-  `vllm_metal.sampling.sample`: greedy argmax over the vocabulary for these
+  `vllm_metal.engine.sampling.sample`: greedy argmax over the vocabulary for these
   greedy requests, tokens to host ints, the `ModelRunnerOutput`);
 - total: the whole step, measured end to end (not a sum). The residual
   total - (prep + graph + eval + sample) is printed: medians of separate
@@ -91,7 +91,7 @@ from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import vllm_metal  # noqa: E402,F401  (fast BLAS preloaded before mlx)
-from vllm_metal import ops  # noqa: E402
+from vllm_metal.native import ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -101,11 +101,11 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
-from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
+from vllm_metal.engine.model_runner import MetalModelRunner  # noqa: E402
 from vllm_metal.models.attention_adapter import PagedAttentionLayer  # noqa: E402
-from vllm_metal.persistent_batch import PersistentBatch  # noqa: E402
-from vllm_metal.platform import mlx_device_name  # noqa: E402
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs  # noqa: E402
+from vllm_metal.engine.persistent_batch import PersistentBatch  # noqa: E402
+from vllm_metal.engine.platform import mlx_device_name  # noqa: E402
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs  # noqa: E402
 
 BLOCK = 16
 WARMUPS = 2
@@ -351,7 +351,7 @@ def main(argv=None) -> dict:
     reps = args.reps or (1 if args.quick else 5)
     warmups = 1 if args.quick else WARMUPS
     if args.model is None:
-        from vllm_metal.default_model import ensure_default_model
+        from vllm_metal.formats.default_model import ensure_default_model
         args.model = str(ensure_default_model())
     start = time.perf_counter()
     prof = Profiler(args.model, context, args.batch, reps, warmups)

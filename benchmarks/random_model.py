@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -89,7 +89,7 @@ def build(config: dict, out: Path, tokenizer_dir: str, seed: int = 0) -> str:
 
 
 def build_named(shape: str, out: Path) -> str:
-    from vllm_metal.default_model import ensure_default_model
+    from vllm_metal.formats.default_model import ensure_default_model
 
     if shape not in SHAPES:
         raise SystemExit(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")

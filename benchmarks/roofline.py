@@ -38,7 +38,7 @@ def _mlx():
     """mlx.core, imported after vllm-metal's OpenBLAS preload (as the plugin does)."""
     global mx
     if mx is None:
-        from vllm_metal import fast_blas
+        from vllm_metal.native import fast_blas
 
         fast_blas.preload()
         import mlx.core
@@ -234,7 +234,7 @@ def measure(model_dir: Path, quick: bool = False, prefill_tokens: int = 1024,
         **numpy_autodetect_measurements(quick),
         **_child("--torch-only", quick),
     }
-    from vllm_metal import fast_blas
+    from vllm_metal.native import fast_blas
 
     result["blas"] = {"mlx": fast_blas.status[0], "note": fast_blas.status[1],
                       "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE")}

@@ -37,7 +37,7 @@ NB_MODULE(_ext, m) {
       "sinks"_a = nb::none(),
       "v_head_dim"_a = nb::none(),
       "stream"_a = nb::none(),
-      "Lazy paged attention over packed varlen queries (see vllm_metal.ops).");
+      "Lazy paged attention over packed varlen queries (see vllm_metal.native.ops).");
 
   m.def(
       "gated_delta",
@@ -51,7 +51,7 @@ NB_MODULE(_ext, m) {
       "mask"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "Lazy gated delta rule recurrence -> [y, state] (see vllm_metal.ops).");
+      "Lazy gated delta rule recurrence -> [y, state] (see vllm_metal.native.ops).");
 
   m.def(
       "swiglu",
@@ -60,7 +60,7 @@ NB_MODULE(_ext, m) {
       "up"_a,
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.ops.swiglu).");
+      "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.native.ops.swiglu).");
 
   m.def(
       "rms_norm",
@@ -70,7 +70,7 @@ NB_MODULE(_ext, m) {
       "eps"_a,
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "Lazy RMSNorm over the last axis on MLX's CPU device (see vllm_metal.ops.rms_norm).");
+      "Lazy RMSNorm over the last axis on MLX's CPU device (see vllm_metal.native.ops.rms_norm).");
 
   m.def(
       "rope",
@@ -81,7 +81,7 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Lazy RoPE of [tokens, heads, dim] by a per-token (cos, sin) table on MLX's CPU device "
-      "(see vllm_metal.ops.rope).");
+      "(see vllm_metal.native.ops.rope).");
 
   m.def(
       "is_materialized",

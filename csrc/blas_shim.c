@@ -2,7 +2,7 @@
  * (cblas_sgemm, cblas_dgemm, cblas_cgemm; `nm -D --undefined-only libmlx.so`)
  * forwarded to an ILP64 OpenBLAS whose symbols are renamed, such as the one
  * numpy bundles (numpy.libs/libscipy_openblas64_-*.so: scipy_cblas_sgemm64_,
- * 64-bit integers). Linux only; loaded by vllm_metal/fast_blas.py.
+ * 64-bit integers). Linux only; loaded by vllm_metal/native/fast_blas.py.
  *
  * Life cycle: fast_blas.py loads this library RTLD_LOCAL, calls
  * vllm_metal_blas_shim_init() with the target library's path, and only when

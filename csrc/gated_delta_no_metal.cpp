@@ -1,5 +1,5 @@
 // GatedDelta::eval_gpu for builds without Metal: say so plainly. The Python
-// layer (vllm_metal.ops.gated_delta) routes such devices to mlx-lm's ops.
+// layer (vllm_metal.native.ops.gated_delta) routes such devices to mlx-lm's ops.
 #include <stdexcept>
 
 #include "gated_delta.h"

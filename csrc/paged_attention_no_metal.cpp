@@ -1,6 +1,6 @@
 // PagedAttention::eval_gpu for builds without Metal (Linux, or an MLX built
 // without it): there is no native GPU kernel, so say so plainly. The Python
-// layer (vllm_metal.ops) routes such devices to paged_attention_reference.
+// layer (vllm_metal.native.ops) routes such devices to paged_attention_reference.
 #include <stdexcept>
 
 #include "paged_attention.h"
@@ -11,7 +11,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(
       "[paged_attention] this vllm_metal build has no Metal kernels (MLX was "
       "built without Metal); run on the CPU stream or use "
-      "vllm_metal.ops.paged_attention_reference");
+      "vllm_metal.native.ops.paged_attention_reference");
 }
 
 } // namespace vllm_metal

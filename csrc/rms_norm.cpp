@@ -37,7 +37,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
 void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(
       "[rms_norm] the RMSNorm primitive runs on MLX's CPU device only; on the GPU, "
-      "vllm_metal.ops.rms_norm calls MLX's own fused mx.fast.rms_norm");
+      "vllm_metal.native.ops.rms_norm calls MLX's own fused mx.fast.rms_norm");
 }
 
 } // namespace vllm_metal

@@ -5,7 +5,7 @@
 // fallback composition (~15 operations: cast, square, mean, add, rsqrt,
 // multiplies), each dispatched separately, twice or more per layer. This
 // primitive is one pass per row. On Metal, MLX's own rms_norm is a fused
-// kernel: vllm_metal.ops.rms_norm calls it on GPU streams and builds this
+// kernel: vllm_metal.native.ops.rms_norm calls it on GPU streams and builds this
 // primitive only on CPU streams (its eval_gpu refuses, naming the op to call).
 #pragma once
 

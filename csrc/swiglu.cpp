@@ -30,7 +30,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 void SwiGLU::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(
       "[swiglu] the SwiGLU primitive runs on MLX's CPU device only; on the GPU, "
-      "vllm_metal.ops.swiglu builds MLX's own (vectorised) silu(gate) * up");
+      "vllm_metal.native.ops.swiglu builds MLX's own (vectorised) silu(gate) * up");
 }
 
 } // namespace vllm_metal

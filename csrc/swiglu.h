@@ -4,7 +4,7 @@
 // (~20 ns an element in the Linux wheels; measured in docs/primitives.md), so
 // a gated MLP's activation costs more than its matmuls in a long prefill.
 // This primitive runs it in 16-lane vectors on the CPU. On Metal, MLX's own
-// element-wise kernels are already vectorised: vllm_metal.ops.swiglu builds
+// element-wise kernels are already vectorised: vllm_metal.native.ops.swiglu builds
 // MLX's composition on GPU streams and this primitive only on CPU streams
 // (its eval_gpu refuses, naming the op to call).
 #pragma once

@@ -62,7 +62,7 @@ step "set up .venv and build with Metal (scripts/setup.sh)" setup.log bash scrip
 
 step "native Metal kernel is the GPU attention path" path.log "$PYTHON" -c '
 import mlx.core as mx
-from vllm_metal import ops
+from vllm_metal.native import ops
 print("mlx", mx.__version__, "| metal available:", mx.metal.is_available())
 print("device:", mx.metal.device_info())
 print("HAS_METAL:", ops._ext.HAS_METAL)
@@ -84,7 +84,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 def batch(num_seqs, context, new, heads=32, kv_heads=8, head_dim=128, v_head_dim=None,
           block=16):
@@ -150,7 +150,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_kernel
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 def inputs(b, t, hk=16, hv=32, dk=128, dv=128, dtype=mx.bfloat16):
     rng = np.random.default_rng(0)

@@ -12,9 +12,9 @@ scripts/setup.sh
 
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 if [[ "$(uname -s)" != "Darwin" ]]; then
-  # Off Apple Silicon the plugin runs only on explicit opt-in, on MLX's CPU.
+  # Off Apple Silicon: MLX's CPU device, said explicitly (the plugin would also take an unclaimed host).
   export VLLM_METAL_DEVICE=${VLLM_METAL_DEVICE:-cpu}
 fi
-MODEL=${MODEL:-$(.venv/bin/python -m vllm_metal.default_model --print-path)}
+MODEL=${MODEL:-$(.venv/bin/python -m vllm_metal.formats.default_model --print-path)}
 exec .venv/bin/vllm serve "$MODEL" --host "${HOST:-127.0.0.1}" --port "${PORT:-8000}" \
   --max-model-len "${MAX_MODEL_LEN:-4096}" "$@"

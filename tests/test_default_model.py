@@ -1,4 +1,4 @@
-"""Tests for vllm_metal.default_model (GGUF -> MLX/HF model directory)."""
+"""Tests for vllm_metal.formats.default_model (GGUF -> MLX/HF model directory)."""
 
 import hashlib
 import json
@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import vllm_metal.default_model as dm  # noqa: E402
+import vllm_metal.formats.default_model as dm  # noqa: E402
 
 
 def _hashes(path):

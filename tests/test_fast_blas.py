@@ -1,4 +1,4 @@
-"""The BLAS shim (csrc/blas_shim.c, its few-row kernel csrc/blas_few_rows.c, vllm_metal/fast_blas.py): MLX's CPU matmuls
+"""The BLAS shim (csrc/blas_shim.c, its few-row kernel csrc/blas_few_rows.c, vllm_metal/native/fast_blas.py): MLX's CPU matmuls
 are really bound to it and forwarded to numpy's OpenBLAS, and the results match
 a float64 reference within float32 error for every shape class the shim treats
 differently: one or two rows (forwarded to sgemv), one column, a few rows, many rows,
@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_metal import fast_blas
+from vllm_metal.native import fast_blas
 
-import mlx.core as mx  # noqa: E402  (after vllm_metal: conftest imports vllm_metal.ops first)
+import mlx.core as mx  # noqa: E402  (after vllm_metal: conftest imports vllm_metal.native.ops first)
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS shim is Linux-only"),

@@ -1,7 +1,12 @@
 """The fast BLAS (the BLAS shim to numpy's OpenBLAS, and the system OpenBLAS) is
-loaded before MLX whichever vllm_metal module is imported first (each in a fresh
-interpreter), and importing mlx before vllm_metal is
-reported loudly instead of silently running 30-50x slower matmuls."""
+loaded before MLX whichever vllm_metal module is imported first, and
+importing mlx before vllm_metal is reported loudly instead of silently
+running 30-50x slower matmuls.
+
+One fresh interpreter per package (each folder of vllm_metal, and the
+top-level modules): it imports every module of the package, its first module
+first, and the probe then checks the BLAS state; an interpreter costs ~3 s
+(vLLM and torch imports), one per module was ~3 min of the suite."""
 
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ PROBE = """
 import json, sys
 import {module}
 import mlx.core as mx
-from vllm_metal import fast_blas
+from vllm_metal.native import fast_blas
 maps = open("/proc/self/maps").read()
 print(json.dumps({{"status": list(fast_blas.status), "openblas_mapped": "libopenblas" in maps,
                   "shim_mapped": fast_blas.SHIM_NAME in maps}}))
@@ -42,13 +47,32 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_every_module_is_covered():
-    assert {"vllm_metal.ops", "vllm_metal.models.attention_adapter", "vllm_metal.models.loader",
-            "vllm_metal.worker", "vllm_metal.model_runner"} <= set(MODULES)
+    assert {"vllm_metal.native.ops", "vllm_metal.models.attention_adapter", "vllm_metal.models.loader",
+            "vllm_metal.engine.worker", "vllm_metal.engine.model_runner"} <= set(MODULES)
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_fast_blas_whatever_is_imported_first(module):
-    out = _run(PROBE.format(module=module))
+SUBPACKAGES = {m.name for m in pkgutil.iter_modules(vllm_metal.__path__, "vllm_metal.") if m.ispkg}
+
+
+def _package(module: str) -> str:
+    """The folder a module belongs to ("engine" for vllm_metal.engine and vllm_metal.engine.worker)."""
+    top = ".".join(module.split(".")[:2])
+    return top.split(".")[1] if top in SUBPACKAGES else "(top level)"
+
+
+PACKAGES: dict[str, list[str]] = {}
+for _m in MODULES:
+    PACKAGES.setdefault(_package(_m), []).append(_m)
+
+
+def test_every_module_is_in_one_package_probe():
+    assert sorted(m for mods in PACKAGES.values() for m in mods) == MODULES
+    assert {"native", "models", "engine", "(top level)"} <= set(PACKAGES)
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_fast_blas_whatever_is_imported_first(package):
+    out = _run(PROBE.format(module=", ".join(PACKAGES[package])))
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["status"][0] and "openblas" in got["status"][0], got
@@ -57,7 +81,7 @@ def test_fast_blas_whatever_is_imported_first(module):
 
 
 def test_mlx_before_vllm_metal_warns_loudly():
-    out = _run("import mlx.core\nimport vllm_metal.ops\n")
+    out = _run("import mlx.core\nimport vllm_metal.native.ops\n")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RuntimeWarning" in out.stderr and "imported before vllm_metal" in out.stderr
     assert "30-50x slower" in out.stderr

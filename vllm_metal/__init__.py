@@ -1,7 +1,12 @@
 """vllm-metal: a vLLM platform plugin that serves LLMs on Apple Silicon with MLX.
 
 Importing this package is cheap and imports no MLX: vLLM imports it in every
-process to call `register()`. The primitives live in `vllm_metal.ops`.
+process to call `register()`. The primitives live in `vllm_metal.native.ops`
+(`from vllm_metal import ops` still works: imported on first use).
+
+Folders, lowest first; a module imports only from its own folder or lower
+(tests/test_layout.py): this top level (envs, versions, activation), native/,
+formats/, distributed/, models/, kv/, doctor/, engine/.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ __version__ = "0.1.0"
 
 def _blas_before_mlx() -> None:
     """On Linux, MLX's CPU matmuls are 30-50x faster when an optimized
-    OpenBLAS is loaded before `mlx.core` (vllm_metal.fast_blas). Whatever
+    OpenBLAS is loaded before `mlx.core` (vllm_metal.native.fast_blas). Whatever
     vllm_metal module is imported first, this package runs first: it arms a
     finder that loads OpenBLAS the moment anything imports `mlx.core`, and
     costs nothing until then (vLLM imports this package in every process)."""
@@ -21,14 +26,14 @@ def _blas_before_mlx() -> None:
     import sys
 
     if not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
-        return  # not needed / too late (vllm_metal.ops warns about the latter)
+        return  # not needed / too late (vllm_metal.native.ops warns about the latter)
 
     class _LoadBlasBeforeMLX(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name == "mlx.core":
                 if self in sys.meta_path:
                     sys.meta_path.remove(self)
-                from vllm_metal import fast_blas
+                from vllm_metal.native import fast_blas
 
                 fast_blas.preload()
             return None  # the normal finders import it
@@ -38,6 +43,16 @@ def _blas_before_mlx() -> None:
 
 
 _blas_before_mlx()
+
+
+def __getattr__(name: str):
+    """`vllm_metal.ops` (the public name of vllm_metal.native.ops), imported on
+    first use so that importing this package never imports MLX."""
+    if name == "ops":
+        import importlib
+
+        return importlib.import_module("vllm_metal.native.ops")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> str | None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from vllm_metal.cli import main
+from vllm_metal.doctor.cli import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ import numpy as np
 
 WORKER = textwrap.dedent("""
     import json, os, sys
-    from vllm_metal import ops  # noqa: F401
+    from vllm_metal.native import ops  # noqa: F401
     import mlx.core as mx
     import numpy as np
     from vllm_metal.distributed.comm import Comm

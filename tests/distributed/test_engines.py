@@ -136,7 +136,7 @@ def parallel_config(**kw):
 
 
 def test_platform_parallel_settings(monkeypatch):
-    from vllm_metal.platform import MetalPlatform
+    from vllm_metal.engine.platform import MetalPlatform
 
     import os
 

@@ -20,9 +20,10 @@ import pytest
 from engine_helpers import GOLDEN
 from families import FAMILIES, build
 
-from vllm_metal.models.loader import ParallelPlan, load_model
+from vllm_metal.distributed.plan import ParallelPlan
+from vllm_metal.models.loader import load_model
 from vllm_metal.models.registry import SERVED
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 PROMPT = GOLDEN[-1]["prompt_ids"][40:110]  # 70 tokens: two chunks
 CHUNK = 48

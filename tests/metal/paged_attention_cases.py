@@ -1,5 +1,5 @@
 """Randomised paged-attention batches for the Metal kernel tests, with the CPU
-primitive (vllm_metal.ops.paged_attention on mx.cpu) as the reference.
+primitive (vllm_metal.native.ops.paged_attention on mx.cpu) as the reference.
 
 Values are drawn in float32 and rounded to the case's dtype once, so the
 kernel under test and the reference see bit-identical inputs.
@@ -170,7 +170,7 @@ def mx_inputs(case: Case) -> list[mx.array]:
 
 
 def cpu_reference(case: Case) -> np.ndarray:
-    from vllm_metal import ops
+    from vllm_metal.native import ops
 
     out = ops.paged_attention(*mx_inputs(case), **case.kwargs(), stream=mx.cpu)
     return np.array(out.astype(mx.float32))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from numpy_reference import gated_delta_f64, gated_delta_inputs
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 pytestmark = pytest.mark.skipif(
     not (ops._ext.HAS_METAL and mx.metal.is_available()),

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 pytestmark = pytest.mark.skipif(
     not (ops._ext.HAS_METAL and mx.metal.is_available()),
@@ -40,7 +40,7 @@ def test_gpu_rope_matches_the_cpu_primitive(traditional):
 
 def test_the_primitives_refuse_a_gpu_stream():
     x = mx.ones((2, 3, 8))
-    with pytest.raises(RuntimeError, match="vllm_metal.ops.rms_norm"):
+    with pytest.raises(RuntimeError, match="vllm_metal.native.ops.rms_norm"):
         mx.eval(ops._ext.rms_norm(x, mx.ones((8,)), 1e-5, stream=mx.gpu))
     with pytest.raises(RuntimeError, match="RoPE module"):
         mx.eval(ops._ext.rope(x, mx.ones((2, 4, 2)), False, stream=mx.gpu))

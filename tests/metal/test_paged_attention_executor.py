@@ -477,7 +477,7 @@ def test_bad_metadata_on_the_large_tier(executor, rng, tmp_path, kind, how):
 
 
 def _check_bad_metadata(executor, tmp_path, case, kind, how):
-    from vllm_metal import ops  # noqa: F401
+    from vllm_metal.native import ops  # noqa: F401
     import mlx.core as mx
     from paged_attention_cases import mx_inputs
 

@@ -12,7 +12,7 @@ import pytest
 from paged_attention_cases import (BAD_INPUTS, DTYPES, KINDS, MX_DTYPES, assert_close,
                                    break_case, cpu_reference, make_case, mx_inputs,
                                    numpy_reference)
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 pytestmark = pytest.mark.skipif(
     not (ops._ext.HAS_METAL and mx.metal.is_available()),

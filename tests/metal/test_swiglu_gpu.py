@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 pytestmark = pytest.mark.skipif(
     not (ops._ext.HAS_METAL and mx.metal.is_available()),
@@ -28,5 +28,5 @@ def test_gpu_swiglu_matches_float64_and_the_cpu_primitive():
 
 def test_the_primitive_refuses_a_gpu_stream():
     g = mx.ones((2, 3))
-    with pytest.raises(RuntimeError, match="vllm_metal.ops.swiglu"):
+    with pytest.raises(RuntimeError, match="vllm_metal.native.ops.swiglu"):
         mx.eval(ops._ext.swiglu(g, g, stream=mx.gpu))

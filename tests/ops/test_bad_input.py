@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numpy_reference import make_batch, paged_attention_f64
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from numpy_reference import gated_delta_f64, gated_delta_inputs
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 address = ops._ext.buffer_address
 TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}

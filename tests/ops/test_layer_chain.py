@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 from numpy_reference import paged_attention_f64
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 28, 4, 2, 32, 8
 HIDDEN = HEADS * HEAD_DIM

@@ -17,7 +17,7 @@ import pytest
 from array_helpers import TOLERANCE, to_mx, to_np
 from numpy_reference import batch_lengths, make_batch, paged_attention_f64
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 GQA = (1, 2, 4, 8)
 HEAD_DIMS = (64, 80, 128, 256)

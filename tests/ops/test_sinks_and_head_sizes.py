@@ -15,7 +15,7 @@ import pytest
 from array_helpers import TOLERANCE, to_mx, to_np
 from numpy_reference import batch_lengths, make_batch, paged_attention_f64
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 
 def draw_sinks(rng, num_heads: int) -> np.ndarray:

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 TOLERANCE = {mx.float32: (2e-6, 2e-6), mx.float16: (2e-3, 2e-3), mx.bfloat16: (1.6e-2, 1.6e-2)}
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 address = ops._ext.buffer_address
 

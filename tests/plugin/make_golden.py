@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 
@@ -45,7 +45,7 @@ def mlx_lm_greedy(model_dir: str, prompt_ids: list[list[int]], num_tokens: int =
 def main():
     from transformers import AutoTokenizer
 
-    from vllm_metal.default_model import ensure_default_model
+    from vllm_metal.formats.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 

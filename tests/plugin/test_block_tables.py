@@ -12,9 +12,9 @@ import pytest
 
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm_metal.block_tables import BlockTables
-from vllm_metal.persistent_batch import PersistentBatch
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.block_tables import BlockTables
+from vllm_metal.engine.persistent_batch import PersistentBatch
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 GROUPS = 2
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 from vllm_metal.models.cpu_norm_rope import (PrimitiveRMSNorm, cpu_norm_rope_enabled, plan_rope,
                                              use_cpu_norm_rope)
 from vllm_metal.models.loader import load_model
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 LONGROPE = {"type": "longrope", "original_max_position_embeddings": 4096,
             "short_factor": [1.0 + 0.05 * i for i in range(32)], "long_factor": [1.5 + 0.1 * i for i in range(32)]}

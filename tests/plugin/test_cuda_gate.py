@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import engine, greedy
 
-from vllm_metal import capabilities, cli, cuda_gate
+from vllm_metal.doctor import capabilities, cli, cuda_gate
 
 CUDA_EXTENSIONS = ("vllm._C", "vllm._moe_C", "vllm._flashmla_C", "vllm.vllm_flash_attn", "flash_attn",
                    "flashinfer", "deep_gemm", "vllm._custom_ops_C")
@@ -49,11 +49,14 @@ def test_doctor_text_and_module_entry_point():
 
 
 def test_doctor_fails_when_plugin_would_be_inactive():
+    """vLLM's own CPU platform claims the host (VLLM_TARGET_DEVICE=cpu) and
+    VLLM_METAL_DEVICE is unset: the plugin stays out, and the doctor says why."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_METAL_DEVICE"}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
     out = subprocess.run([sys.executable, "-m", "vllm_metal", "doctor", "--json"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 1
-    assert "VLLM_METAL_DEVICE=cpu not set" in json.loads(out.stdout)["problems"][0]
+    assert "vLLM's own cpu platform serves this host" in json.loads(out.stdout)["problems"][0]
 
 
 def test_doctor_reports_mlx_mismatch(monkeypatch, capsys):
@@ -67,11 +70,11 @@ def test_doctor_reports_mlx_mismatch(monkeypatch, capsys):
 
 
 def test_extension_refuses_mismatched_mlx(monkeypatch):
-    from vllm_metal import _native
+    from vllm_metal.native import extension
 
-    monkeypatch.setattr(_native, "installed_mlx", lambda: "0.33.0")
+    monkeypatch.setattr(extension, "installed_mlx", lambda: "0.33.0")
     with pytest.raises(ImportError, match="built against MLX 0.32.4 but MLX 0.33.0 is installed"):
-        _native.load_extension()
+        extension.load_extension()
 
 
 def engine_config(model_dir, **kwargs):
@@ -118,7 +121,7 @@ def test_inert_options_warn_and_are_turned_off(model_dir, monkeypatch, kwargs, e
     assert any(expect in w for w in warned), warned
     assert config.compilation_config.cudagraph_mode.name == "NONE"
     assert config.compilation_config.mode.name == "NONE"
-    assert config.parallel_config.worker_cls == "vllm_metal.worker.MetalWorker"
+    assert config.parallel_config.worker_cls == "vllm_metal.engine.worker.MetalWorker"
 
 
 def test_engine_with_inert_options_serves_and_loads_no_cuda_extension(model_dir):
@@ -136,4 +139,4 @@ def test_docs_table_is_generated_from_the_gate():
     assert set(cuda_gate.FLAGS) == {p.key for p in cuda_gate.CUDA_PATHS}
     text = (Path(__file__).resolve().parents[2] / "docs" / "capabilities.md").read_text()
     block = text.split("<!-- cuda-paths:begin")[1].split("-->", 1)[1].split("<!-- cuda-paths:end -->")[0]
-    assert block.strip() == cuda_gate.markdown_table(), "regenerate: python -m vllm_metal.cuda_gate"
+    assert block.strip() == cuda_gate.markdown_table(), "regenerate: python -m vllm_metal.doctor.cuda_gate"

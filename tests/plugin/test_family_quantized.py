@@ -22,7 +22,7 @@ from families import FAMILIES, build, reference_logprobs
 
 from vllm_metal.models.loader import load_model
 from vllm_metal.models.registry import QUANT_FORMATS, SERVED, quant_format
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 PROMPT = GOLDEN[-1]["prompt_ids"][40:140]  # 100 tokens: two chunks, past every test window
 CHUNK = 64

@@ -1,10 +1,11 @@
 """Hybrid linear-attention models (qwen3_next) beyond the parity matrix:
 the state slots live in vLLM's hybrid KV-cache manager (a Mamba group beside
-the attention group), survive preemption and recompute, are all freed when
-the requests end, and are written back in place (donated, never copied) or,
-switched, copied with identical results (a slot's previous owner never
-leaking into a new request: test_hybrid_families.py); prefix caching -- which would need per-block state
-checkpoints -- is refused when turned on."""
+the attention group), survive preemption and recompute with prefix caching
+on (vLLM's default: its "align" mode, a state block per attention block),
+are all freed when the requests end, and are written back in place
+(donated, never copied) or, switched, copied with identical results (a
+slot's previous owner never leaking into a new request:
+test_hybrid_families.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine_helpers import GOLDEN, engine, greedy, runner_of
 from families import build
 
 from vllm_metal.models.loader import load_model
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 LONG = GOLDEN[-1]["prompt_ids"]
 
@@ -26,13 +27,17 @@ def hybrid_dir(model_dir, tmp_path_factory):
 
 
 def test_preemption_recomputes_the_state(hybrid_dir):
-    """A tiny cache forces preemptions; tokens equal an unconstrained engine
-    whose attention blocks are 16 tokens (--block-size 16) where the
-    platform's own choice for this model is 64 (the smallest block size whose
-    attention page holds one layer's state, 10.25 KiB)."""
+    """A tiny cache forces preemptions (vLLM's defaults: prefix caching,
+    async scheduling; the prompts overlap, so resumed requests also hit
+    blocks cached by others); tokens equal an unconstrained engine whose
+    blocks are 16 tokens (--block-size 16) where the platform's own choice
+    for this model is 64 (the smallest block size whose attention page holds
+    one layer's state, 10.25 KiB), scheduled synchronously and without prefix
+    caching (one state slot per request)."""
     prompts = [LONG[20 * i:20 * i + 150 + 10 * i] for i in range(8)]  # 150..220 tokens
-    common = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=False)
-    with engine(hybrid_dir, kv_cache_memory_bytes=16 << 20, block_size=16, **common) as llm:
+    common = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
+    with engine(hybrid_dir, kv_cache_memory_bytes=16 << 20, block_size=16, enable_prefix_caching=False,
+                async_scheduling=False, **common) as llm:
         expected, _ = greedy(llm, prompts, max_tokens=64)
         assert sorted(runner_of(llm).block_sizes) == [16, 512]
         # The budget holds although every layer has arrays of its own (vLLM's
@@ -55,9 +60,9 @@ def test_preemption_recomputes_the_state(hybrid_dir):
         free = pool.get_num_free_blocks()
     assert "MambaManager" in held and set(held.values()) == {0}, held
     assert free == pool.num_gpu_blocks - 1
-    # Two KV-cache groups: attention (64-token blocks) and the state slots
-    # (one per request: block size = max_model_len).
-    assert sorted(runner.block_sizes) == [64, 512]
+    # Two KV-cache groups: attention (64-token blocks) and the states (a
+    # 64-token block each: prefix caching's align mode).
+    assert sorted(runner.block_sizes) == [64, 64] and runner.align_groups
     assert state_pool.shape[0] == 30 and state_pool.dtype == mx.float32
     assert resumed > 0, "the tiny cache should have forced preemptions"
     assert tokens == expected
@@ -68,8 +73,8 @@ def test_attention_block_size_follows_the_state_page():
     supports whose attention page reaches one layer's state page (Qwen3.5-0.8B:
     4 KiB of K/V a token against a 1.07 MiB Gated DeltaNet state: the largest,
     128), and the sizes it picks from are the primitive's."""
-    from vllm_metal import ops
-    from vllm_metal.platform import ATTENTION_BLOCK_SIZES, hybrid_attention_block_size
+    from vllm_metal.native import ops
+    from vllm_metal.engine.platform import ATTENTION_BLOCK_SIZES, hybrid_attention_block_size
 
     assert hybrid_attention_block_size(256, 5632) == 32
     assert hybrid_attention_block_size(256, 4096) == 16
@@ -87,14 +92,18 @@ def test_attention_block_size_follows_the_state_page():
                 ops.paged_attention(*args, scale=1.0)
 
 
-def test_prefix_caching_is_refused_for_hybrids_only(hybrid_dir, model_dir):
+def test_hybrid_config_defaults_and_refusals(hybrid_dir, model_dir):
+    """vLLM's defaults for a hybrid (prefix caching on: mamba_cache_mode
+    "align", a state block per attention block) are served; what cannot be
+    honoured is refused with the reason."""
     from vllm.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
-        EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512,
-                   enable_prefix_caching=True).create_engine_config()
+    default = EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512).create_engine_config()
+    assert default.cache_config.enable_prefix_caching
+    assert default.cache_config.mamba_cache_mode == "align"
+    assert default.cache_config.mamba_block_size == default.cache_config.block_size
     with pytest.raises(ValueError, match="--mamba-ssm-cache-dtype at auto"):
-        EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False,
+        EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512,
                    mamba_ssm_cache_dtype="float16").create_engine_config()
     with pytest.raises(ValueError, match="--mamba-block-size"):
         EngineArgs(model=hybrid_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False,
@@ -110,7 +119,7 @@ def test_prefix_caching_is_refused_for_hybrids_only(hybrid_dir, model_dir):
 def _run_steps(loaded, kv, states):
     """Four steps of a prefill row and a decode-sized row: the logits of each,
     and the state pools' buffer addresses before and after each step."""
-    from vllm_metal import ops
+    from vllm_metal.native import ops
 
     def addresses():
         return [(ops._ext.buffer_address(kv.keys[i]), ops._ext.buffer_address(kv.values[i])) for i in states]

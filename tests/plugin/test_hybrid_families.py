@@ -15,7 +15,7 @@ from engine_helpers import GOLDEN
 from families import build
 
 from vllm_metal.models.loader import load_model
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 LONG = GOLDEN[-1]["prompt_ids"]
 KINDS = ["qwen3_next", "lfm2", "granitemoehybrid"]
@@ -53,7 +53,7 @@ def test_a_reused_slot_starts_from_zero(loaded):
 
 
 def test_state_pools_are_written_in_place(loaded, monkeypatch):
-    from vllm_metal import ops
+    from vllm_metal.native import ops
 
     monkeypatch.setenv("VLLM_METAL_STATE_WRITEBACK", "inplace")
     address = ops._ext.buffer_address

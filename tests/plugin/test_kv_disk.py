@@ -23,7 +23,7 @@ import pytest
 import torch
 from engine_helpers import GOLDEN, engine, runner_of
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 from vllm_metal.kv import block_file
 from vllm_metal.kv.block_file import BlockFileError, BlockMeta
 from vllm_metal.kv.connector_config import transfer_config_dict
@@ -384,7 +384,7 @@ def test_failed_write_leaves_nothing(tmp_path, rng):
 KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
-from vllm_metal import ops
+from vllm_metal.native import ops
 from vllm_metal.kv import block_file
 arrays = [np.full((16, 3, 64), i, np.float32) for i in range(4)]
 def chunks():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_metal import memory
+from vllm_metal.native import memory
 
 GiB = 1 << 30
 

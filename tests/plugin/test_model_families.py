@@ -83,7 +83,7 @@ def test_attention_without_projections_is_a_clear_error():
 
 
 def test_missing_model_and_offline_hub_id_are_clear_errors(tmp_path, monkeypatch):
-    from vllm_metal.models.loader import resolve_model_dir
+    from vllm_metal.formats.model_dir import resolve_model_dir
 
     with pytest.raises(FileNotFoundError, match="is not a model directory"):
         resolve_model_dir(str(tmp_path))
@@ -169,7 +169,7 @@ def test_unproven_family_is_refused_not_served_wrong(model_dir, tmp_path):
 
 
 def test_doctor_says_up_front_whether_a_model_is_served(model_dir, weights, tmp_path, capsys):
-    from vllm_metal import cli
+    from vllm_metal.doctor import cli
 
     assert cli.main(["doctor", "--model", model_dir]) == 0
     assert "(llama): will be served: 30 layers, 3 KV heads of 64" in capsys.readouterr().out

@@ -23,15 +23,19 @@ def run_register(env_overrides: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_inactive_on_linux_without_opt_in():
-    got = run_register({})
+def test_inactive_where_vllms_own_platform_claims_the_host():
+    """VLLM_TARGET_DEVICE=cpu makes vLLM's own CPU platform claim this host:
+    the plugin then stays out (without VLLM_METAL_DEVICE), importing no MLX."""
+    got = run_register({"VLLM_TARGET_DEVICE": "cpu"})
     assert got["result"] is None and got["again"] is None
     assert not got["mlx"]
+    got = run_register({})  # nothing claims it: active by itself, still without MLX
+    assert got["result"] == "vllm_metal.engine.platform.MetalPlatform" and not got["mlx"]
 
 
 def test_active_with_cpu_opt_in_and_imports_no_mlx():
     got = run_register({"VLLM_METAL_DEVICE": "cpu"})
-    assert got["result"] == got["again"] == "vllm_metal.platform.MetalPlatform"
+    assert got["result"] == got["again"] == "vllm_metal.engine.platform.MetalPlatform"
     assert not got["mlx"], "register() must not import MLX (vLLM forks after it)"
 
 
@@ -47,13 +51,39 @@ def test_bad_device_value_is_inactive_with_reason():
         ("darwin", "arm64", "cpu", True, True),
         ("darwin", "arm64", "", False, False),  # no MLX installed
         ("darwin", "x86_64", "", True, False),  # Rosetta / Intel Mac: only native arm64 works
-        ("linux", "aarch64", "", True, False),
+        ("linux", "aarch64", "", True, False),  # vLLM's CUDA platform claims it (others faked below)
         ("linux", "x86_64", "cpu", True, True),
+        ("linux", "x86_64", "gpu", True, False),
     ],
 )
 def test_activation_matrix(system, machine, device, has_mlx, active):
     assert activation.activation_reason(system=system, machine=machine, device=device,
-                                        has_mlx=has_mlx)[0] is active
+                                        has_mlx=has_mlx, others=["cuda"])[0] is active
+
+
+@pytest.mark.parametrize("others,active", [([], True), (["cuda"], False), (["cpu"], False), (["rocm"], False)])
+def test_unclaimed_host_activates_on_mlx_cpu_only(others, active):
+    """Without VLLM_METAL_DEVICE, a non-Apple host none of vLLM's platforms
+    claims (vLLM alone: "Failed to infer device type") is served on MLX's CPU
+    device; one that vLLM's CUDA, ROCm or CPU build serves is left to it."""
+    got, why = activation.activation_reason(system="linux", machine="x86_64", device="", has_mlx=True, others=others)
+    assert got is active
+    assert ("MLX's CPU device" in why) if active else (others[0] in why and "VLLM_METAL_DEVICE=cpu" in why)
+
+
+def test_vllm_serve_without_the_device_variable_starts_here():
+    """The real detectors on this host (vLLM's CUDA wheel, no GPU): no other
+    platform claims it, so the plugin activates by itself, and vLLM resolves
+    to it (not UnspecifiedPlatform)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_METAL_DEVICE"}
+    code = ("from vllm_metal import activation; print(activation.other_platforms()); "
+            "from vllm.platforms import current_platform as p; print(type(p).__name__, p.device_type)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "MetalPlatform cpu"], out.stdout
 
 
 def test_env_vars_known_to_vllm(monkeypatch):
@@ -93,7 +123,7 @@ def test_spawn_forced_on_apple_silicon(monkeypatch):
 def test_platform_defaults(monkeypatch):
     import torch
 
-    from vllm_metal import platform
+    from vllm_metal.engine import platform
 
     monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
     assert platform.MetalPlatform().supported_dtypes[0] == torch.float32
@@ -111,7 +141,7 @@ class Recorder(importlib.abc.MetaPathFinder):
             attempts.append(name)  # recorded whether or not the import would succeed
         return None
 sys.meta_path.insert(0, Recorder())
-from vllm_metal.platform import MetalPlatform
+from vllm_metal.engine.platform import MetalPlatform
 from vllm.platforms.interface import Platform
 getattr(%s, "import_kernels")()
 print(json.dumps(attempts))

@@ -133,8 +133,8 @@ def test_logprobs_mode_is_honoured(mode):
     # As vLLM's GPU runner: logit modes report the logits themselves.
     import torch
 
-    from vllm_metal import prompt_logprobs
-    from vllm_metal.persistent_batch import RequestState
+    from vllm_metal.engine import prompt_logprobs
+    from vllm_metal.engine.persistent_batch import RequestState
 
     state = RequestState("r", [5, 1, 3], SamplingParams(prompt_logprobs=1), None, [[1]], 0)
     logits = torch.tensor([[1.0, 2.0, 0.5, 3.0, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])

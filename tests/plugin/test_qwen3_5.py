@@ -35,8 +35,7 @@ def test_text_architectures_resolve(model_type, arch, model_dir, tmp_path):
     from vllm_metal.models.loader import load_model
 
     variant = build(model_type, tmp_path / model_type, model_dir)
-    config = EngineArgs(model=variant, dtype="float32", max_model_len=512,
-                        enable_prefix_caching=False).create_engine_config().model_config
+    config = EngineArgs(model=variant, dtype="float32", max_model_len=512).create_engine_config().model_config
     assert config.architecture == arch and config.is_hybrid and not config.is_multimodal_model
     assert config.get_vocab_size() == json.loads((tmp_path / model_type / "config.json").read_text())[
         "text_config"]["vocab_size"]
@@ -62,7 +61,7 @@ def multimodal_dir(model_dir, tmp_path_factory):
 def test_multimodal_architecture_is_refused_unless_text_only(multimodal_dir):
     from vllm.engine.arg_utils import EngineArgs
 
-    common = dict(model=multimodal_dir, dtype="float32", max_model_len=512, enable_prefix_caching=False)
+    common = dict(model=multimodal_dir, dtype="float32", max_model_len=512)
     with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration.*--language-model-only"):
         EngineArgs(**common).create_engine_config()
     with pytest.raises(ValueError, match="runs no vision or audio encoder"):  # one modality still open
@@ -73,10 +72,10 @@ def test_multimodal_architecture_is_refused_unless_text_only(multimodal_dir):
 
 
 def test_doctor_names_the_flags_a_qwen3_5_checkpoint_needs(multimodal_dir):
-    from vllm_metal.capabilities import model_check
+    from vllm_metal.doctor.capabilities import model_check
 
     report = model_check(multimodal_dir)
-    assert report["served"] and report["flags"] == ["--no-enable-prefix-caching", "--language-model-only"]
+    assert report["served"] and report["flags"] == ["--language-model-only"]
     assert "multimodal checkpoint" in report["reason"]
 
 
@@ -85,7 +84,7 @@ def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir)
     ref = reference_logprobs(multimodal_dir)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     with engine(multimodal_dir, max_model_len=512, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
-                enable_prefix_caching=False, language_model_only=True) as llm:
+                language_model_only=True) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         tokens = list(out.outputs[0].token_ids)
@@ -99,29 +98,38 @@ def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir)
 @pytest.mark.slow
 def test_vllm_serve_qwen3_5_checkpoint_with_doctor_flags(multimodal_dir, tmp_path):
     """`vllm serve` on a Qwen3.5 checkpoint with the flags `vllm-metal doctor`
-    names: two concurrent completions over HTTP (continuous batching of a
-    hybrid through the OpenAI server) give mlx-lm's greedy tokens, judged by
-    teacher forcing, with the fused gated-delta recurrence."""
+    names (vLLM's defaults otherwise: prefix caching on): two concurrent
+    completions over HTTP (continuous batching of a hybrid through the
+    OpenAI server) give mlx-lm's greedy tokens, judged by teacher forcing,
+    with the fused gated-delta recurrence; the second prompt asked again
+    resumes from its cached state (the usage reports the cached tokens: 128,
+    two of the 64-token blocks the platform picks for this model) with the
+    same tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from server_helpers import SERVED_NAME, vllm_server
 
-    from vllm_metal.capabilities import model_check
+    from vllm_metal.doctor.capabilities import model_check
 
-    prompts = [LONG[:30], LONG[200:260]]
+    prompts = [LONG[:30], LONG[200:340]]
     ref = reference_logprobs(multimodal_dir)
-    with vllm_server(multimodal_dir, *model_check(multimodal_dir)["flags"],
+    with vllm_server(multimodal_dir, *model_check(multimodal_dir)["flags"], "--enable-prompt-tokens-details",
                      log_path=tmp_path / "serve.log") as (base, _):
         def complete(prompt):
             r = httpx.post(base + "/v1/completions", timeout=120, json=dict(
                 model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, logprobs=0,
                 return_tokens_as_token_ids=True))
             r.raise_for_status()
-            return r.json()["choices"][0]
+            return r.json()
 
         with ThreadPoolExecutor(2) as pool:
-            choices = list(pool.map(complete, prompts))
+            answers = list(pool.map(complete, prompts))
+        again = complete(prompts[1])
+    choices = [a["choices"][0] for a in answers]
+    assert (answers[1]["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+    assert again["choices"][0]["logprobs"]["tokens"] == choices[1]["logprobs"]["tokens"]
     for prompt, choice in zip(prompts, choices):
         tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
         assert len(tokens) == 8

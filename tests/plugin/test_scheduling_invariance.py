@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from engine_helpers import GOLDEN, engine, greedy, runner_of
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 TARGET = GOLDEN[-1]  # the longest prompt (571 tokens)
 OTHERS = [g["prompt_ids"] for g in GOLDEN[:7]]

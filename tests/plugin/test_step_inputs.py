@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 
 def test_mixed_batch():
@@ -62,7 +62,7 @@ def test_windowed_attention_never_reads_the_dropped_blocks(rng):
     # blocks filled with garbage, gives identical results.
     import mlx.core as mx
 
-    from vllm_metal import ops
+    from vllm_metal.native import ops
 
     block, window, heads, dim = 16, 32, 2, 64
     rows = [ScheduledRow([7], 100, [[1, 2, 3, 4, 5, 6, 7]]), ScheduledRow([1, 2, 3], 40, [[8, 9, 10]])]

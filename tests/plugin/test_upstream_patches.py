@@ -1,4 +1,4 @@
-"""vllm_metal/upstream_patches.py: the one run-time change to upstream
+"""vllm_metal/engine/upstream_patches.py: the one run-time change to upstream
 behaviour, checked against the vLLM code that makes it necessary."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import inspect
 import pytest
 import torch
 
-from vllm_metal import upstream_patches, versions
+from vllm_metal import versions
+from vllm_metal.engine import upstream_patches
 
 
 def test_targets_the_pinned_vllm():

@@ -110,7 +110,7 @@ def test_setup_dependency_list_matches_installed_vllm():
 def test_nothing_skipped_is_imported_when_serving():
     # An in-process generation imports none of the packages the set-up leaves out.
     code = ("import os, sys\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
-            "from vllm_metal.default_model import ensure_default_model\n"
+            "from vllm_metal.formats.default_model import ensure_default_model\n"
             "from vllm import LLM, SamplingParams\n"
             "llm = LLM(ensure_default_model(), max_model_len=256, kv_cache_memory_bytes=64 << 20)\n"
             "llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)\n"

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the references
 
-from vllm_metal import ops  # noqa: E402  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: E402  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 from array_helpers import MX_DTYPES, TOLERANCE, to_np  # noqa: E402

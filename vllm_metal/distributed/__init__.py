@@ -9,4 +9,5 @@ MLX's distributed group is the data plane, inside each step's graph.
 - join.py: what a worker does to take its place (gloo group, exchange, plan)
 - pipeline.py: stages (layer pass-throughs, send/recv between neighbours)
 - tensor_parallel.py: mlx-lm's shard() and the row-parallel sum
+- plan.py: this rank's share (ParallelPlan), as the model loader takes it
 """

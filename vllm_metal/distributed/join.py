@@ -20,7 +20,7 @@ from vllm_metal import envs
 from vllm_metal.distributed.liveness import Liveness
 from vllm_metal.distributed.ring import Peer, exchange, init_group, listen_port
 from vllm_metal.distributed.topology import Topology, parse_partition, split_by_memory
-from vllm_metal.models.loader import ParallelPlan
+from vllm_metal.distributed.plan import ParallelPlan
 
 logger = init_logger("vllm." + __name__)
 
@@ -38,7 +38,7 @@ def model_digest(model: str) -> str:
     """What identifies the model's files without reading the weights: the
     config and the weight files' names and sizes (paths may differ between
     hosts; contents that differ in size or config are caught)."""
-    from vllm_metal.models.loader import resolve_model_dir
+    from vllm_metal.formats.model_dir import resolve_model_dir
 
     path = resolve_model_dir(model)
     h = hashlib.sha256((path / "config.json").read_bytes())
@@ -69,7 +69,7 @@ def free_memory(device: str) -> int:
     evenly by the ranks of this host."""
     import psutil
 
-    from vllm_metal.memory import metal_device_info
+    from vllm_metal.native.memory import metal_device_info
 
     if device == "gpu":
         import mlx.core as mx

@@ -6,16 +6,13 @@ those on disk count as computed tokens and are loaded into the blocks vLLM
 allocated; every block that becomes fully computed is saved once. Worker side
 (driven by MetalModelRunner, not vLLM's GPU runner): loads read each file
 straight into the MLX cache arrays before the forward; saves run on a writer
-thread behind the step, writing numpy views of the evaluated cache arrays
+thread (kv/disk_writer.py) behind the step, writing numpy views of the evaluated cache arrays
 straight into the file (block_file.write_block_file: temp file, fsync, rename).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +25,7 @@ from vllm.logger import init_logger
 from vllm_metal.kv import block_file
 from vllm_metal.kv.block_file import BlockFileError, BlockMeta
 from vllm_metal.kv.connector_config import CONNECTOR_NAME
+from vllm_metal.kv.disk_writer import DiskWriter, SaveJob
 from vllm_metal.kv.layout import array_for, byte_view, cache_layout
 
 if TYPE_CHECKING:
@@ -49,14 +47,7 @@ class DiskConnectorMetadata(KVConnectorMetadata):
     saves: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
 
-@dataclass
-class _SaveJob:
-    req_id: str
-    blocks: list[tuple[int, str]]
-    arrays: list | None  # the evaluated MLX cache arrays, in layout order (released after writing)
-
-
-class MetalDiskConnector(KVConnectorBase_V1):
+class MetalDiskConnector(DiskWriter, KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -225,25 +216,12 @@ class MetalDiskConnector(KVConnectorBase_V1):
             logger.info("vllm-metal disk KV cache: removed %d stale temporary files", len(removed))
         self._kv = None
         self._array_index: list[tuple[int, str]] = []  # per payload array: (layer index, "k" / "v")
-        # LRU index of this directory's block files: name -> [size, last access]
-        self._index: dict[str, list[float]] = {}
-        for entry in os.scandir(self.directory):
-            if entry.name.endswith(block_file.SUFFIX):
-                st = entry.stat()
-                self._index[entry.name] = [st.st_size, st.st_atime]
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=64)
-        self._outstanding: dict[str, int] = {}  # req_id -> save jobs not yet written
-        self._finished: set[str] = set()  # finished requests with saves
         self._load_errors: set[int] = set()
         self.failed_load_req_ids: set[str] = set()
-        self.saving_enabled = True
-        self._tmp_counter = 0
         # Instrumentation (tests, logs).
         self.stats = dict(blocks_loaded=0, blocks_saved=0, load_errors=0, save_errors=0, evicted=0,
                           bytes_loaded=0, bytes_saved=0, load_s=0.0, save_s=0.0, fence_wait_s=0.0)
-        self._writer = threading.Thread(target=self._writer_loop, name="vllm-metal-kv-disk", daemon=True)
-        self._writer.start()
+        self._start_writer()
 
     def register_mlx_cache(self, kv, layer_index: dict[str, int], sliding_windows=()) -> None:
         """The MLX counterpart of register_kv_caches: the runner's PagedKVCache
@@ -271,14 +249,6 @@ class MetalDiskConnector(KVConnectorBase_V1):
 
     def _arrays(self) -> list:
         return [array_for(self._kv, i, kind) for i, kind in self._array_index]
-
-    def fence(self) -> None:
-        """Waits for saves in flight. They write from numpy views of the cache
-        arrays; the next step's in-place cache write (MLX donates the buffer
-        only when nothing else references it) and any load must come after."""
-        start = time.perf_counter()
-        self._queue.join()
-        self.stats["fence_wait_s"] += time.perf_counter() - start
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # A preempted request's blocks are reused only by a later cache write
@@ -334,7 +304,7 @@ class MetalDiskConnector(KVConnectorBase_V1):
         for req_id, blocks in meta.saves.items():
             with self._lock:
                 self._outstanding[req_id] = self._outstanding.get(req_id, 0) + 1
-            self._queue.put(_SaveJob(req_id, blocks, arrays))
+            self._queue.put(SaveJob(req_id, blocks, arrays))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose saves are all written, once each has finished."""
@@ -355,81 +325,3 @@ class MetalDiskConnector(KVConnectorBase_V1):
             self.fence()
             self._queue.put(None)
             self._writer.join(timeout=60)
-
-    # ---- the writer thread ----------------------------------------------------------
-
-    def _writer_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._write_job(job)
-            finally:
-                if job is not None:
-                    job.arrays = None  # release the cache arrays before the fence opens
-                    with self._lock:
-                        self._outstanding[job.req_id] -= 1
-                self._queue.task_done()
-
-    def _write_job(self, job: _SaveJob) -> None:
-        if not self.saving_enabled or job.arrays is None:
-            return
-        start = time.perf_counter()
-        views = [byte_view(a) for a in job.arrays]
-        try:
-            for block_id, block_hash in job.blocks:
-                path = self._path(block_hash)
-                self._tmp_counter += 1
-                try:
-                    size = block_file.write_block_file(path, self._meta(block_hash), (v[block_id] for v in views),
-                                                       self._tmp_counter)
-                except OSError as e:
-                    self.stats["save_errors"] += 1
-                    self.saving_enabled = False
-                    what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
-                    logger.warning("vllm-metal disk KV cache: saving stopped (%s); serving goes on, "
-                                   "saved blocks are still loaded", what)
-                    return
-                except Exception as e:  # noqa: BLE001 -- a save must never take the engine down
-                    self.stats["save_errors"] += 1
-                    logger.warning("vllm-metal disk KV cache: could not save %s: %s", path.name, e)
-                    continue
-                self.stats["blocks_saved"] += 1
-                self.stats["bytes_saved"] += size
-                with self._lock:
-                    self._index[path.name] = [size, time.time()]
-                self._evict()
-        finally:
-            del views
-            self.stats["save_s"] += time.perf_counter() - start
-
-    def _touch(self, path: Path) -> None:
-        now = time.time()
-        try:  # atime = last use (the LRU order after a restart)
-            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
-        except OSError:
-            pass
-        with self._lock:
-            if path.name in self._index:
-                self._index[path.name][1] = now
-
-    def _evict(self) -> None:
-        with self._lock:
-            total = sum(size for size, _ in self._index.values())
-            if total <= self.max_bytes:
-                return
-            victims = []
-            for name, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
-                if total <= self.max_bytes:
-                    break
-                victims.append(name)
-                total -= size
-            for name in victims:
-                del self._index[name]
-        for name in victims:
-            try:
-                os.unlink(self.directory / name)
-                self.stats["evicted"] += 1
-            except OSError:
-                pass

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 
 
 @dataclass
@@ -59,6 +59,21 @@ class PagedKVCache:
 
     def layer_views(self) -> list["LayerCacheView"]:
         return [LayerCacheView(self, i) for i in range(len(self.keys))]
+
+    def copy_blocks(self, pairs) -> None:
+        """Block `dst` of every cache array becomes a copy of block `src`, for
+        each (src, dst) pair: vLLM's `kv_cache_block_copies` (its prefix
+        cache's copy-on-write of a partially matched block). Functional and
+        lazy, like the step's writes: the step's graph starts from the copies.
+        Block ids index every group's arrays alike (one pool of ids)."""
+        index = np.asarray(pairs, np.int64).reshape(-1, 2)
+        src, dst = mx.array(index[:, 0].astype(np.int32)), mx.array(index[:, 1].astype(np.int32))
+        for arrays in (self.keys, self.values):
+            for i, a in enumerate(arrays):
+                if a is not None:
+                    copied = mx.array(a)  # a second handle: `copied[...] =` rebinds it alone
+                    copied[dst] = a[src]
+                    arrays[i] = copied
 
 
 class LayerCacheView:

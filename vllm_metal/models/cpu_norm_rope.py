@@ -28,7 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from vllm_metal import envs, ops
+from vllm_metal import envs
+from vllm_metal.native import ops
 
 # Positions the load-time proof checks (distinct, up to a long context).
 PROOF_POSITIONS = [0, 1, 5, 17, 250, 1000, 4095]

@@ -27,7 +27,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_metal import envs, ops
+from vllm_metal import envs
+from vllm_metal.native import ops
 
 # (attribute names read from one module, the module's role): the groups fused.
 ATTENTION_GROUP = ("q_proj", "k_proj", "v_proj")

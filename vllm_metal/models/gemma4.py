@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 from vllm_metal.models.attention_adapter import LayerCacheView
 
 

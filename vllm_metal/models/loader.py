@@ -8,25 +8,24 @@ reproduce, gets a clear NotImplementedError naming what is missing.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from vllm_metal.models.attention_adapter import (PagedAttentionLayer, PagedKVCache,  # noqa: E402
-                                                 StepAttentionInputs, check_rope)
+from vllm_metal.distributed.plan import ParallelPlan  # noqa: E402
+from vllm_metal.formats.model_dir import _model_type, resolve_model_dir  # noqa: E402
+from vllm_metal.models.attention_adapter import PagedAttentionLayer, check_rope  # noqa: E402
 from vllm_metal.models.cpu_norm_rope import use_cpu_norm_rope  # noqa: E402
 from vllm_metal.models.fused_projections import fuse_projections  # noqa: E402
 from vllm_metal.models.gated_delta import GatedDeltaLayer  # noqa: E402
+from vllm_metal.models.loaded_model import LayerKV, LoadedModel, decoder_owner  # noqa: E402,F401  (re-exported)
 from vllm_metal.models.mamba2 import Mamba2Layer  # noqa: E402
 from vllm_metal.models.registry import check_served  # noqa: E402
 from vllm_metal.models.short_conv import ShortConvLayer  # noqa: E402
-from vllm_metal.models.state_slots import build_linear_inputs, state_writeback_mode  # noqa: E402
+from vllm_metal.models.state_slots import state_writeback_mode  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -37,183 +36,8 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 LINEAR_LAYERS = {"linear_attn": GatedDeltaLayer, "conv": ShortConvLayer, "mamba": Mamba2Layer}
 
 
-@dataclass(frozen=True)
-class LayerKV:
-    """One layer's cache: what it stores per token, or whose it reads, or
-    (linear attention) the state it keeps per request."""
-
-    num_kv_heads: int
-    head_dim: int  # K's head size (MLA: kv_lora_rank + rope dims, one latent row per token)
-    # "kv": separate K and V caches; "latent": one cache (MLA), V = its first
-    # v_head_dim; "state": a linear-attention layer's per-request state slots
-    # (state_shapes: the convolution state in the model dtype, then the
-    # recurrent state in float32 where the layer has one)
-    layout: str = "kv"
-    v_head_dim: int | None = None  # V's head size where it differs from head_dim (MLA)
-    source: int | None = None  # reads this earlier layer's cache instead of its own (gemma4's KV sharing)
-    state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": per request, (conv[, recurrent])
-
-
-@dataclass
-class LoadedModel:
-    """An mlx-lm model with paged attention layers, and the facts the KV cache needs."""
-
-    model: nn.Module
-    config: dict
-    dtype: mx.Dtype
-    num_layers: int
-    layer_kv: list[LayerKV]  # per layer
-    sliding_windows: list[int | None]  # per layer
-    quantized: bool  # weights still MLX-quantized after loading
-    # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
-    fused: dict = field(default_factory=dict)
-    # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
-    norm_rope: dict = field(default_factory=dict)
-    # Pipeline parallel (distributed/pipeline.py): the layers this rank runs
-    # and caches (all of them otherwise), whether it computes the logits, and
-    # the transport whose sends a step evaluates with its caches.
-    owned: range | None = None
-    last_stage: bool = True
-    transport: object = None
-    tp_projections: int = 0  # projections split by tensor parallel (0: none)
-    weights_bytes: int = 0  # the weights this rank holds (a pipeline stage: its layers, embedding / head)
-
-    def owns(self, layer: int) -> bool:
-        return self.owned is None or layer in self.owned
-
-    def kv_summary(self) -> str:
-        """The cache shapes in words: '3 KV heads of 64' where every layer is
-        alike, else per kind ('4 layers: 1 KV heads of 16, 2 layers: ...')."""
-        own = [kv for kv in self.layer_kv if kv.source is None]
-        kinds = {}
-        for kv in own:
-            text = (f"latent rows of {kv.head_dim} (V: first {kv.v_head_dim})" if kv.layout == "latent"
-                    else "linear-attention states " + " + ".join(str(s) for s in kv.state_shapes)
-                    if kv.layout == "state" else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
-            kinds[text] = kinds.get(text, 0) + 1
-        shared = len(self.layer_kv) - len(own)
-        if len(kinds) == 1 and not shared:
-            return next(iter(kinds))
-        return ", ".join(f"{n} layers: {text}" for text, n in kinds.items()) + (
-            f", {shared} layers reading earlier layers' caches" if shared else "")
-
-    def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int]) -> PagedKVCache:
-        """Zeroed paged caches for every layer that has its own (group g's
-        layers use block size block_sizes[g]); MLA layers get their one latent
-        cache only (values[i] None), layers sharing another's cache none.
-        Linear-attention layers get their state pools, one slot per block id:
-        keys[i] the convolution states, values[i] the recurrent states (None
-        where the layer has none: lfm2's short convolutions)."""
-        keys, values = [], []
-        for i, (kv, g) in enumerate(zip(self.layer_kv, layer_group)):
-            if not self.owns(i):  # another pipeline stage's layer
-                keys.append(None)
-                values.append(None)
-                continue
-            if kv.layout == "state":
-                conv, *recurrent = kv.state_shapes
-                keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
-                values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
-                continue
-            shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
-            keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
-            values.append(mx.zeros(shape, dtype=self.dtype) if kv.source is None and kv.layout == "kv" else None)
-        cache = PagedKVCache(keys, values, layer_group)
-        mx.eval(cache.arrays())
-        return cache
-
-    @property
-    def has_linear(self) -> bool:
-        """Some layers are linear attention (a hybrid model)."""
-        return any(kv.layout == "state" for kv in self.layer_kv)
-
-    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array | None:
-        """One packed step (step_inputs.StepInputs) through every layer and the
-        head: lazy float32 logits of the hidden rows `logit_rows`; the caches
-        in `kv` are replaced by their written versions (evaluate them with the
-        logits). A pipeline stage before the last returns None: its output
-        leaves through the transport (evaluate `transport.take_pending()`)."""
-        kv.retained = []
-        kv.step = StepAttentionInputs(
-            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
-            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
-            block_tables=[mx.array(t) for t in inputs.block_tables],
-            slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
-            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions) if self.has_linear else None)
-        try:
-            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
-            if not self.last_stage:
-                return None
-            return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
-        finally:
-            kv.step = None
-
-    def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
-        """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""
-        return self.model.model(token_ids[None], cache=cache_views)[0]
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        """Final hidden rows -> float32 logits [rows, vocab] (lazy), through
-        the model's own output head: mlx-lm's `Model.__call__` runs with its
-        inner model standing in as "these hidden rows", so whatever the family
-        does after the decoder (tied or separate head, final logit softcap,
-        logit_scale, logits_scaling) is mlx-lm's code, never re-implemented.
-        A wrapper whose `model` is a property (qwen3_5: the text model under
-        `language_model`) has the stand-in put where the decoder really is."""
-        owner = decoder_owner(self.model)
-        inner = owner["model"]
-        owner["model"] = _HiddenRows(inner, hidden[None])
-        try:
-            out = self.model(mx.zeros((1, hidden.shape[0]), dtype=mx.int32))
-        finally:
-            owner["model"] = inner
-        return out[0].astype(mx.float32)
-
-
-def decoder_owner(model: nn.Module) -> nn.Module:
-    """The module holding the decoder as its child `model`: the mlx-lm
-    `Model` itself, or the text model it wraps (`language_model`: qwen3_5)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if isinstance(owner, nn.Module) and isinstance(owner.get("model"), nn.Module):
-            return owner
-    raise NotImplementedError(f"{type(model).__module__}.{type(model).__name__}: no decoder child `model` "
-                              "(on the model or its language_model) for the output head to run after")
-
-
-class _HiddenRows:
-    """Stands in for an mlx-lm model's inner decoder for one call: returns
-    the given hidden states, and passes every attribute (embed_tokens for a
-    tied head, ...) through to the real decoder."""
-
-    def __init__(self, inner: nn.Module, hidden: mx.array):
-        self._inner, self._hidden = inner, hidden
-
-    def __call__(self, *args, **kwargs) -> mx.array:
-        return self._hidden
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def _has_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-
-
-@dataclass
-class ParallelPlan:
-    """This rank's part of a multi-rank model (the worker builds it:
-    distributed/). Tensor parallel: rank `tp_rank` of `tp`, `reduce` sums
-    over the TP group. Pipeline parallel: stage `pp_rank` of `pp`, layers
-    per stage from `layer_split(num_layers)`, hidden states moved by
-    `transport`."""
-
-    tp_rank: int = 0
-    tp: int = 1
-    reduce: object = None
-    pp_rank: int = 0
-    pp: int = 1
-    layer_split: object = None
-    transport: object = None
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
@@ -380,31 +204,3 @@ def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.M
     if not window:
         raise NotImplementedError(f"model type {config.get('model_type')!r}: a sliding layer without a window size")
     return int(window)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """A local model directory, or a Hugging Face hub id downloaded (or found
-    in the local hub cache) where the network allows."""
-    path = Path(model).expanduser()
-    if (path / "config.json").exists():
-        return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"{model} is not a model directory (no config.json); give a local "
-                                "mlx-lm / Hugging Face model directory or a hub id")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.py",
-                                                             "tokenizer.model", "*.tiktoken", "*.txt"]))
-    except Exception as e:  # offline, unknown repo, no access: say which
-        raise FileNotFoundError(f"cannot get model {model!r} from the Hugging Face hub ({type(e).__name__}: "
-                                f"{e}); download it where the network allows and pass its directory") from e
-
-
-def _model_type(path: Path) -> str | None:
-    import json
-
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None

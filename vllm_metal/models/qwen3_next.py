@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from vllm_metal import ops
+from vllm_metal.native import ops
 from vllm_metal.models.attention_adapter import LayerCacheView, PagedAttentionLayer
 
 

@@ -3,7 +3,9 @@ every such layer of a hybrid model does around its own math (short_conv.py,
 mamba2.py; gated_delta.py does the same inline).
 
 The layer's state pools are indexed by vLLM's Mamba-group block id (one slot
-per request): pool 0 (`store.keys[layer]`) holds the causal convolution's
+per request; with prefix caching, vLLM's "align" mode, one per block of
+tokens, each row read from the block of its last computed token and written
+to the block of its new last token: engine/state_align.py): pool 0 (`store.keys[layer]`) holds the causal convolution's
 last `kernel - 1` inputs, pool 1 (`store.values[layer]`, where the layer
 has one) its recurrent state. A step gathers its rows' states by slot -- a
 row starting at position 0 (new, or preempted and recomputed) from zeros,
@@ -60,9 +62,16 @@ class LinearStepInputs:
     # every row does (a decode step): the gathered states are used as they are.
     carried: mx.array | None
     unpad_index: mx.array  # int32 [num_tokens]: each packed token's place in the flattened padded batch
+    # Per state group (KV-cache group index): (the block ids each row's state
+    # is read from, the block ids its new state is written to), int32
+    # [num_seqs]. Prefix caching's "align" mode moves a request's state from
+    # block to block (engine/state_align.py); a group not listed keeps one
+    # slot per request: its block table's first entry, read and written.
+    state_slots: dict[int, tuple[mx.array, mx.array]] | None = None
 
 
-def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray) -> LinearStepInputs:
+def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray,
+                        state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> LinearStepInputs:
     cu = np.asarray(cu_seqlens_q, np.int64)
     counts = np.diff(cu)
     width = int(counts.max())
@@ -76,7 +85,9 @@ def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray) -> Line
                             mask=None if mask.all() else mx.array(mask),
                             lengths=mx.array(counts.astype(np.int32)),
                             carried=None if carried.all() else mx.array(carried),
-                            unpad_index=mx.array(unpad.astype(np.int32)))
+                            unpad_index=mx.array(unpad.astype(np.int32)),
+                            state_slots={g: (mx.array(src), mx.array(dst)) for g, (src, dst) in state_slots.items()}
+                            if state_slots else None)
 
 
 class SlotStep:
@@ -86,7 +97,12 @@ class SlotStep:
         store = cache.store
         self.store, self.layer = store, cache.layer
         self.rows = store.step.linear  # LinearStepInputs
-        self.slots = store.step.block_tables[store.layer_group[cache.layer]][:, 0]
+        group = store.layer_group[cache.layer]
+        moved = self.rows.state_slots.get(group) if self.rows.state_slots else None
+        if moved is None:  # one slot per request (no prefix caching)
+            self.src_slots = self.dst_slots = store.step.block_tables[group][:, 0]
+        else:  # align mode: read the last step's block, write this step's
+            self.src_slots, self.dst_slots = moved
 
     def pad(self, t: mx.array) -> mx.array:
         """[1, num_tokens, ...] (packed) -> [num_seqs, T, ...], pads zeroed."""
@@ -106,9 +122,9 @@ class SlotStep:
         """The rows' states from pool `index`; zeros for rows starting fresh."""
         pool = self.pool(index)
         if self.rows.carried is None:
-            return pool[self.slots]
+            return pool[self.src_slots]
         carried = self.rows.carried.reshape(-1, *[1] * (pool.ndim - 1))
-        return mx.where(carried, pool[self.slots], 0)
+        return mx.where(carried, pool[self.src_slots], 0)
 
     def causal_conv(self, conv, x: mx.array) -> mx.array:
         """mlx-lm's depthwise causal `conv` (kernel k, no padding of its own)
@@ -123,9 +139,9 @@ class SlotStep:
         return conv(conv_input)
 
     def write(self, index: int, new: mx.array) -> None:
-        """Pool `index` with the rows' slots replaced by `new`."""
+        """Pool `index` with the rows' (destination) slots replaced by `new`."""
         pools = self.store.keys if index == 0 else self.store.values
-        pools[self.layer] = write_back(self.store, pools[self.layer], self.slots, new)
+        pools[self.layer] = write_back(self.store, pools[self.layer], self.dst_slots, new)
 
     def done(self, out: mx.array) -> mx.array:
         """The layer's output, after the per-layer evaluation hook (VLLM_METAL_SYNC_PER_LAYER)."""

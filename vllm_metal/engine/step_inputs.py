@@ -30,6 +30,11 @@ class StepInputs:
     cu_seqlens_q: np.ndarray  # int32 [num_seqs + 1]
     block_tables: list[np.ndarray]  # per group: int32 [num_seqs, max_blocks]
     slot_mappings: list[np.ndarray]  # per group: int64 [num_tokens]
+    # Prefix caching of hybrid models (vLLM's "align" mode): per state group,
+    # (blocks each row's state is read from, blocks it is written to), int32
+    # [num_seqs], set by the runner (engine/state_align.py). None: one state
+    # slot per request, its block table's first entry.
+    state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
     def last_token_indices(self) -> np.ndarray:
@@ -42,7 +47,7 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
                       tables: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> StepInputs:
     """tables: per group, (int32 [rows, width] block table padded with 0,
     int32 [rows] valid entries) kept by the runner's persistent batch
-    (vllm_metal.block_tables), taken over (masked in place) instead of being
+    (vllm_metal.engine.block_tables), taken over (masked in place) instead of being
     built from the rows' block_ids.
 
     sliding_windows: per group, the window of a sliding-window group (None

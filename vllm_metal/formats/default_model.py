@@ -19,7 +19,7 @@ bias``), so nothing is re-quantized.  llama.cpp's converter permutes the rows of
 Q and K projections for its rope layout; that permutation is undone here on the
 packed rows together with their scales and biases.
 
-CLI: ``python -m vllm_metal.default_model [--out DIR] [--force] [--check]``.
+CLI: ``python -m vllm_metal.formats.default_model [--out DIR] [--force] [--check]``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_metal import fast_blas
+from vllm_metal.native import fast_blas
 
 fast_blas.preload()  # before the first `import mlx.core`
 

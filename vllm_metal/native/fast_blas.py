@@ -7,7 +7,7 @@ symbols to them instead. It must run before anything imports mlx.core; once
 MLX is loaded the bindings are fixed. `import vllm_metal` arms a hook that
 runs it just before `mlx.core` loads, so the order of vllm_metal's own
 imports does not matter; importing `mlx.core` before any vllm_metal module
-does, and `vllm_metal.ops` then warns.
+does, and `vllm_metal.native.ops` then warns.
 
 MLX's CPU backend imports three BLAS routines, `cblas_sgemm`, `cblas_dgemm`
 and `cblas_cgemm` (every matmul, one-row decode products included, is an
@@ -297,4 +297,4 @@ def warn_if_too_late() -> None:
 
         warnings.warn("vllm_metal: mlx.core was imported before vllm_metal, so MLX keeps the mlx-cpu "
                       "wheel's reference BLAS (matmuls 30-50x slower). Import vllm_metal (or "
-                      "vllm_metal.ops) before mlx.", RuntimeWarning, stacklevel=3)
+                      "vllm_metal.native.ops) before mlx.", RuntimeWarning, stacklevel=3)

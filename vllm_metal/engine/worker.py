@@ -18,17 +18,18 @@ from vllm.logger import init_logger
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_metal import fast_blas
+from vllm_metal.native import fast_blas
 
 fast_blas.preload()  # before anything imports mlx.core
 
 import mlx.core as mx  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_metal import memory, upstream_patches  # noqa: E402
-from vllm_metal.capabilities import short_report  # noqa: E402
-from vllm_metal.model_runner import MetalModelRunner  # noqa: E402
-from vllm_metal.platform import mlx_device_name  # noqa: E402
+from vllm_metal.engine import upstream_patches  # noqa: E402
+from vllm_metal.native import memory
+from vllm_metal.doctor.capabilities import short_report  # noqa: E402
+from vllm_metal.engine.model_runner import MetalModelRunner  # noqa: E402
+from vllm_metal.engine.platform import mlx_device_name  # noqa: E402
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 

@@ -20,70 +20,34 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec,
-                                        MLAAttentionSpec, SlidingWindowSpec)
-from vllm.v1.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, KVConnectorOutput, LogprobsTensors,
-                              ModelRunnerOutput)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-from vllm_metal import envs, prompt_logprobs
+from vllm_metal import envs
+from vllm_metal.distributed.plan import ParallelPlan
+from vllm_metal.engine import kv_specs, prompt_logprobs
+from vllm_metal.engine.persistent_batch import PersistentBatch
+from vllm_metal.engine.sampling import sample
+from vllm_metal.engine.state_align import AlignedStateIndex
+from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
-from vllm_metal.models.loader import LoadedModel, ParallelPlan, load_model
-from vllm_metal.persistent_batch import PersistentBatch, RequestState
-from vllm_metal.sampling import sample
-from vllm_metal.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.models.loader import LoadedModel, load_model
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
 TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16: torch.bfloat16}
-
-
-@dataclass
-class _PendingStep:
-    """One engine step from execute_model until its ModelRunnerOutput exists."""
-
-    scheduler_output: SchedulerOutput
-    states: list[RequestState]  # the step's rows, in batch order
-    discard: list[bool]  # rows still in chunked prefill (or failed KV loads): no token this step
-    prompt_rows: list[tuple[RequestState, int, int]]  # (state, first position, rows) of prompt scores
-    logits_mx: mx.array | None  # [rows + prompt rows, vocab] float32, evaluated or being evaluated
-    kv_connector_output: KVConnectorOutput | None = None
-    # Filled when the logits reach the host (collect):
-    logits: torch.Tensor | None = None  # [num_rows, vocab]: each row's last token
-    prompt_logprobs: dict[str, LogprobsTensors | None] | None = None
-    # Set by sample_tokens / finish:
-    sample_requested: bool = False
-    grammar_output: GrammarOutput | None = None
-    output: ModelRunnerOutput | None = None
-    error: BaseException | None = None
-
-
-class _AsyncStepOutput(AsyncModelRunnerOutput):
-    """What sample_tokens returns under async scheduling: the engine calls
-    get_output once, after it has scheduled (and usually started) the next
-    step. The step may already be finished by then (the next execute_model
-    finishes it first); then this only hands the output over."""
-
-    def __init__(self, runner: MetalModelRunner, step: _PendingStep):
-        self._runner, self._step = runner, step
-
-    def get_output(self) -> ModelRunnerOutput:
-        return self._runner._finish(self._step)
-
-    def get_kv_connector_output(self) -> KVConnectorOutput | None:
-        return self._step.kv_connector_output
 
 
 class MetalModelRunner:
@@ -104,6 +68,10 @@ class MetalModelRunner:
         self.kv: PagedKVCache | None = None
         self.block_sizes: list[int] = []
         self.group_windows: list[int | None] = []  # per KV-cache group: sliding window or None
+        # Hybrid models under prefix caching: the state groups whose states
+        # move block to block (vLLM's "align" mode), and where each request's is.
+        self.align_groups: list[int] = []
+        self.state_index: AlignedStateIndex | None = None
         self.vocab_size = self.model_config.get_vocab_size()
         # Instrumentation (tests, logs): forward passes run and graph
         # evaluations made; equal unless VLLM_METAL_SYNC_PER_LAYER=1.
@@ -112,7 +80,7 @@ class MetalModelRunner:
         # Steps whose output was still unasked for when the next step arrived
         # (async scheduling: the engine ran ahead; tests read it).
         self.finished_by_next_step = 0
-        self._pending: _PendingStep | None = None
+        self._pending: PendingStep | None = None
         # Under async scheduling vLLM's multiprocess executor asks for a step's
         # output on its own thread while the next execute_model may arrive.
         self._finish_lock = threading.Lock()
@@ -134,21 +102,9 @@ class MetalModelRunner:
                                     fuse=fuse_projections_enabled(self.device),
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel)
         m = self.mlx_model
-        extras = []
-        if m.tp_projections:
-            extras.append(f"tensor parallel rank {self.parallel.tp_rank} of {self.parallel.tp}: "
-                          f"{m.tp_projections} projections split")
-        if m.owned is not None:
-            extras.append(f"pipeline stage {self.parallel.pp_rank} of {self.parallel.pp}: layers "
-                          f"{m.owned.start}-{m.owned.stop - 1} of {m.num_layers}")
-        if m.fused:
-            extras.append("fused projections: {qkv} q/k/v, {gate_up} gate/up, {swiglu} SwiGLU".format(**m.fused))
-        if m.norm_rope:
-            extras.append("CPU primitives: {rms_norm} RMSNorms, RoPE of {rope} layers from {rope_tables} "
-                          "table(s) a step".format(**m.norm_rope))
         logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs%s", self.model_config.model, dtype,
                     ", MLX-quantized" if m.quantized else "", self.device, time.perf_counter() - start,
-                    "".join(f"; {e}" for e in extras))
+                    "".join(f"; {e}" for e in m.load_notes(self.parallel)))
 
     def weights_bytes(self) -> int:
         return self.mlx_model.weights_bytes  # this rank's resident weights (loader.py)
@@ -161,27 +117,7 @@ class MetalModelRunner:
         earlier layer's cache have none, as vLLM's KV sharing does).
         Linear-attention layers declare vLLM's Mamba-style state spec: one
         slot per request (block size mamba_block_size, mode "none")."""
-        m = self.mlx_model
-        block_size = self.vllm_config.cache_config.block_size
-        dtype = MX_TO_TORCH[m.dtype]
-        specs: dict[str, KVCacheSpec] = {}
-        for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
-            if kv.source is not None or not m.owns(i):  # a shared cache, or another stage's layer
-                continue
-            if kv.layout == "state":
-                cache = self.vllm_config.cache_config
-                # The convolution state in the model dtype, a recurrent state (if any) in float32.
-                dtypes = (dtype,) + (torch.float32,) * (len(kv.state_shapes) - 1)
-                specs[self.layer_name(i)] = MambaSpec(block_size=cache.mamba_block_size, shapes=kv.state_shapes,
-                                                      dtypes=dtypes, mamba_cache_mode=cache.mamba_cache_mode)
-                continue
-            common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=dtype)
-            if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)
-                specs[self.layer_name(i)] = MLAAttentionSpec(**common)
-            else:
-                specs[self.layer_name(i)] = (SlidingWindowSpec(sliding_window=window, **common) if window
-                                             else FullAttentionSpec(**common))
-        return specs
+        return kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
 
     def kv_bytes_ratio(self) -> float:
         """How many bytes this runner allocates per byte vLLM plans for the
@@ -190,45 +126,14 @@ class MetalModelRunner:
         functional cache writes cannot alias, so every layer here has its own
         arrays. The worker divides its budget by this so the memory really
         used stays within it. 1.0 with a single group."""
-        from copy import deepcopy
-
-        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
-        from vllm.v1.core.kv_cache_planning import _pool_bytes_per_block_from_builder, get_global_kv_cache_groups
-        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-        # The grouping vLLM's engine makes from these specs, and the bytes per
-        # block it divides the budget by (a private helper of vLLM 0.33's
-        # planner: tests/plugin/test_hybrid.py fails if its meaning changes).
-        groups = get_global_kv_cache_groups(self.vllm_config, [deepcopy(self.get_kv_cache_spec())])
-        if len(groups) <= 1:
-            return 1.0
-        planned_per_block = _pool_bytes_per_block_from_builder(
-            get_kv_cache_config_builder(self.vllm_config), self.vllm_config, groups)
-        ours_per_block = 0
-        for group in groups:
-            spec = group.kv_cache_spec
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                ours_per_block += sum(spec.kv_cache_specs[name].real_page_size_bytes for name in group.layer_names)
-            else:
-                ours_per_block += len(group.layer_names) * spec.real_page_size_bytes
-        vllm_per_block = planned_per_block
-        return max(1.0, ours_per_block / vllm_per_block)
+        return kv_specs.kv_bytes_ratio(self.vllm_config, self.get_kv_cache_spec())
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         m = self.mlx_model
-        layer_group = [0] * m.num_layers
-        index = {self.layer_name(i): i for i in range(m.num_layers)}
-        self.block_sizes, self.group_windows = [], []
-        for g, group in enumerate(config.kv_cache_groups):
-            self.block_sizes.append(group.kv_cache_spec.block_size)
-            self.group_windows.append(group.kv_cache_spec.sliding_window
-                                      if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None)
-            for name in group.layer_names:
-                if name in index:  # (pipeline parallel: groups list every stage's layers)
-                    layer_group[index[name]] = g
-        for i, kv in enumerate(m.layer_kv):  # a shared layer reads its source's blocks
-            if kv.source is not None:
-                layer_group[i] = layer_group[kv.source]
+        self.block_sizes, self.group_windows, layer_group = kv_specs.cache_groups(config, m, self.layer_name)
+        self.align_groups = kv_specs.align_state_groups(config)
+        if self.align_groups:
+            self.state_index = AlignedStateIndex(self.block_sizes[self.align_groups[0]])
         # Block 0 is vLLM's null block: allocated, never handed to a request.
         self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group)
         if self.sync_per_layer:
@@ -315,6 +220,10 @@ class MetalModelRunner:
 
     def _execute(self, so: SchedulerOutput, connector):
         self.batch.update(so)
+        if self.state_index is not None:
+            self.state_index.forget(so)
+        if so.kv_cache_block_copies:  # the prefix cache's copy-on-write, before anything reads the blocks
+            self.kv.copy_blocks(so.kv_cache_block_copies)
         if so.total_num_scheduled_tokens == 0 or not self.batch.rows:
             if connector is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
@@ -344,13 +253,17 @@ class MetalModelRunner:
                 extra.extend(range(offset, offset + m))  # after every row's last token
             offset += n
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
+        if self.state_index is not None:
+            moved = self.state_index.plan([s.req_id for s in states], np.array([r.num_computed for r in rows]),
+                                          np.diff(inputs.cu_seqlens_q), [inputs.block_tables[g] for g in self.align_groups])
+            inputs.state_slots = dict(zip(self.align_groups, moved))
         logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
         if logits is None:
             # A pipeline stage before the last: its part is done (evaluated
             # under the synchronous scheduling vLLM uses with pipelines);
             # the last stage samples and answers the engine.
             return None
-        step = _PendingStep(so, states, discard, prompt_rows, logits)
+        step = PendingStep(so, states, discard, prompt_rows, logits)
         if not self.async_scheduling:
             self._collect(step)
         # A disk save reads the written blocks: it waits for the evaluation
@@ -359,7 +272,7 @@ class MetalModelRunner:
         self._pending = step
         return None  # the engine calls sample_tokens next
 
-    def _collect(self, step: _PendingStep) -> None:
+    def _collect(self, step: PendingStep) -> None:
         """The step's logits to the host (waiting for its evaluation), its
         prompt scores recorded and, for rows that sample now, handed over."""
         if step.logits is not None:
@@ -387,11 +300,11 @@ class MetalModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         step.sample_requested, step.grammar_output = True, grammar_output
         if self.async_scheduling:
-            return _AsyncStepOutput(self, step)
+            return AsyncStepOutput(self, step)
         self._pending = None
         return self._finish(step)
 
-    def _finish(self, step: _PendingStep) -> ModelRunnerOutput:
+    def _finish(self, step: PendingStep) -> ModelRunnerOutput:
         """Waits for the step, samples it and builds its output, once; a
         failure (an evaluation error surfaces here) is kept and raised again
         to whoever asks for the output later."""
@@ -406,7 +319,7 @@ class MetalModelRunner:
                 raise step.error
             return step.output
 
-    def _sample(self, step: _PendingStep) -> ModelRunnerOutput:
+    def _sample(self, step: PendingStep) -> ModelRunnerOutput:
         self._collect(step)
         states = step.states
         if step.grammar_output is not None:

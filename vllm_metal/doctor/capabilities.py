@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from vllm_metal import __version__, activation, envs
-from vllm_metal._native import built_against_mlx, installed_mlx, mlx_mismatch_reason
+from vllm_metal.native.extension import built_against_mlx, installed_mlx, mlx_mismatch_reason
 
 
 def _chip() -> str:
@@ -58,7 +58,7 @@ def _host() -> dict:
 
 
 def _cuda_paths() -> list[dict]:
-    from vllm_metal.cuda_gate import CUDA_PATHS, env_requests
+    from vllm_metal.doctor.cuda_gate import CUDA_PATHS, env_requests
 
     rows = []
     for path in CUDA_PATHS:
@@ -88,10 +88,10 @@ def capabilities() -> dict:
         problems.append(mismatch)
         report["attention_path"] = {"name": None, "reason": "the native extension cannot load: " + mismatch}
     else:
-        from vllm_metal import fast_blas
+        from vllm_metal.native import fast_blas
 
         fast_blas.preload()
-        from vllm_metal import ops  # loads the extension
+        from vllm_metal.native import ops  # loads the extension
 
         import mlx.core as mx
 
@@ -130,7 +130,7 @@ def _state_writeback(problems: list[str]) -> dict:
 
 def _gated_delta_path(stream, problems: list[str]) -> dict:
     """Which recurrence Gated DeltaNet layers (qwen3_next, qwen3_5) run."""
-    from vllm_metal import ops
+    from vllm_metal.native import ops
 
     try:
         name, reason = ops.gated_delta_path(stream)
@@ -141,7 +141,7 @@ def _gated_delta_path(stream, problems: list[str]) -> dict:
 
 
 def _kv_budget(device: str) -> dict:
-    from vllm_metal import memory
+    from vllm_metal.native import memory
 
     total = memory.device_total_memory(device)
     utilization = 0.92  # vLLM's default --gpu-memory-utilization
@@ -154,8 +154,8 @@ def _kv_budget(device: str) -> dict:
 
 def short_report(device: str) -> str:
     """The one line the worker logs at engine start."""
-    from vllm_metal import fast_blas, ops
-    from vllm_metal.cuda_gate import CUDA_PATHS
+    from vllm_metal.native import fast_blas, ops
+    from vllm_metal.doctor.cuda_gate import CUDA_PATHS
 
     import mlx.core as mx
 
@@ -175,7 +175,7 @@ def model_check(model_dir: str) -> dict:
     import json
     from pathlib import Path
 
-    from vllm_metal import ops  # noqa: F401  (fast BLAS before mlx)
+    from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
     from vllm_metal.models.loader import load_model
 
     result = {"path": str(model_dir), "model_type": None, "served": False, "reason": ""}
@@ -192,8 +192,6 @@ def model_check(model_dir: str) -> dict:
     windows = sorted({w for w in m.sliding_windows if w})
     config = json.loads((Path(model_dir) / "config.json").read_text())
     flags = []
-    if m.has_linear:
-        flags.append("--no-enable-prefix-caching (a hybrid model: prefix caching is refused)")
     if "vision_config" in config or any(a.endswith("ForConditionalGeneration")
                                         for a in config.get("architectures") or []):
         flags.append("--language-model-only (a multimodal checkpoint: only its text model is served)")

@@ -67,7 +67,7 @@ class MetalPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        from vllm_metal.memory import device_total_memory
+        from vllm_metal.native.memory import device_total_memory
 
         return device_total_memory(mlx_device_name())
 
@@ -110,14 +110,14 @@ class MetalPlatform(Platform):
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         # vLLM's torch attention layers are never built (the model is MLX).
-        from vllm_metal.cuda_gate import reject_attention_backend
+        from vllm_metal.doctor.cuda_gate import reject_attention_backend
 
         reject_attention_backend(selected_backend)
         return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        from vllm_metal.cuda_gate import reject_quantization
+        from vllm_metal.doctor.cuda_gate import reject_quantization
 
         reject_quantization(quant)
 
@@ -157,6 +157,8 @@ class MetalPlatform(Platform):
                         cache.block_size, model.architecture, e)
             return
         cache.block_size = hybrid_attention_block_size(*pages)
+        if cache.mamba_cache_mode == "align":
+            cache.mamba_block_size = cache.block_size  # a state checkpoint per attention block
         logger.info("vllm-metal: attention block size %d for %s (%d bytes of K/V a token, a state page "
                     "of %d bytes)", cache.block_size, model.architecture, *pages)
 
@@ -176,7 +178,7 @@ class MetalPlatform(Platform):
     def apply_config_platform_defaults(cls, vllm_config) -> None:
         """Sees the user's config before vLLM fills in its defaults: the place
         to notice explicit requests for CUDA-only paths (see cuda_gate)."""
-        from vllm_metal.cuda_gate import gate_config
+        from vllm_metal.doctor.cuda_gate import gate_config
 
         gate_config(vllm_config)
 
@@ -192,7 +194,7 @@ class MetalPlatform(Platform):
                              "arrive as cached requests with their tokens); unset VLLM_USE_V2_MODEL_RUNNER")
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
-            parallel.worker_cls = "vllm_metal.worker.MetalWorker"
+            parallel.worker_cls = "vllm_metal.engine.worker.MetalWorker"
         cls._configure_parallel(parallel)
         # Async scheduling stays vLLM's choice (on by default): the runner
         # starts a step's evaluation and lets the engine schedule the next
@@ -203,14 +205,6 @@ class MetalPlatform(Platform):
         hybrid = vllm_config.model_config is not None and vllm_config.model_config.is_hybrid
         if not hybrid and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is None:
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
-        if hybrid and cache.enable_prefix_caching:
-            # vLLM's prefix caching for hybrids ("align" mode) checkpoints each
-            # request's linear-attention state at block boundaries; the runner
-            # keeps one state slot per request (mode "none").
-            raise ValueError(f"vllm-metal does not support prefix caching for hybrid linear-attention models "
-                             f"({vllm_config.model_config.architecture}): their per-request recurrent state is "
-                             "not checkpointed per block. Turn it off: --no-enable-prefix-caching "
-                             "(LLM(..., enable_prefix_caching=False)).")
         model = vllm_config.model_config
         if hybrid and (cache.mamba_cache_dtype != "auto" or cache.mamba_ssm_cache_dtype != "auto"):
             # The runner keeps mlx-lm's state dtypes (convolution: the model
@@ -219,11 +213,20 @@ class MetalPlatform(Platform):
                              f"the convolution, float32 for the recurrent state): leave --mamba-cache-dtype and "
                              f"--mamba-ssm-cache-dtype at auto (got {cache.mamba_cache_dtype!r}, "
                              f"{cache.mamba_ssm_cache_dtype!r}).")
-        if hybrid and cache.mamba_block_size is not None and cache.mamba_block_size < model.max_model_len:
-            # One state block must cover a whole request (vLLM's default for mode "none").
-            raise ValueError(f"vllm-metal keeps one linear-attention state slot per request: leave "
-                             f"--mamba-block-size unset (got {cache.mamba_block_size}, below max_model_len "
-                             f"{model.max_model_len}).")
+        if hybrid and cache.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(f"vllm-metal keeps hybrid models' linear-attention states one slot per request "
+                             f"(no prefix caching) or one per block (prefix caching: vLLM's 'align' mode, its "
+                             f"default), not --mamba-cache-mode {cache.mamba_cache_mode!r}")
+        if hybrid and cache.mamba_cache_mode == "align":
+            # Prefix caching (vLLM's default for hybrids): a state block per
+            # attention block (engine/state_align.py), as vLLM's own hybrid
+            # alignment sets it; update_block_size_for_backend keeps them equal.
+            cache.mamba_block_size = cache.block_size
+        elif hybrid and cache.mamba_block_size is not None and cache.mamba_block_size < model.max_model_len:
+            # Without prefix caching one state block covers a whole request (vLLM's default for mode "none").
+            raise ValueError(f"vllm-metal keeps one linear-attention state slot per request without prefix "
+                             f"caching: leave --mamba-block-size unset (got {cache.mamba_block_size}, below "
+                             f"max_model_len {model.max_model_len}).")
         if model is not None and model.is_multimodal_model and model.supports_multimodal_inputs:
             # The runner feeds token ids to the text model only: an image or
             # video in a prompt would be dropped, the answer silently wrong.

@@ -20,7 +20,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_metal.persistent_batch import RequestState
+from vllm_metal.engine.persistent_batch import RequestState
 
 LOGIT_MODES = ("raw_logits", "processed_logits")
 

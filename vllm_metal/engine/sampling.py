@@ -13,7 +13,7 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_metal.persistent_batch import RequestState
+from vllm_metal.engine.persistent_batch import RequestState
 
 
 def sampling_metadata(states: list[RequestState], vocab_size: int, logitsprocs) -> SamplingMetadata:

@@ -18,7 +18,7 @@ from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor import MoveDirectionality
 from vllm.v1.sample.logits_processor.state import BatchUpdateBuilder
 
-from vllm_metal.block_tables import BlockTables
+from vllm_metal.engine.block_tables import BlockTables
 
 
 @dataclass
@@ -31,7 +31,7 @@ class RequestState:
     num_computed_tokens: int
     # Appended in place: vLLM's logits processors hold a reference to it.
     output_token_ids: list[int] = field(default_factory=list)
-    # Prompt scores, filled chunk by chunk (vllm_metal.prompt_logprobs) and
+    # Prompt scores, filled chunk by chunk (vllm_metal.engine.prompt_logprobs) and
     # handed to vLLM once, with the request's first sampled token.
     prompt_logprobs: LogprobsTensors | None = None
     prompt_logprobs_sent: bool = False

@@ -51,7 +51,7 @@ def format_report(r: dict) -> str:
 
 
 def doctor(args) -> int:
-    from vllm_metal.capabilities import capabilities, model_check
+    from vllm_metal.doctor.capabilities import capabilities, model_check
 
     report = capabilities()
     if args.model:

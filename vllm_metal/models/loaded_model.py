@@ -1,0 +1,194 @@
+"""A loaded model as the runner sees it: the per-layer cache facts
+(`LayerKV`), the paged caches it allocates, and one packed step through the
+layers and the model's own output head (`LoadedModel`). models/loader.py
+builds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+from vllm_metal.models.attention_adapter import PagedKVCache, StepAttentionInputs  # noqa: E402
+from vllm_metal.models.state_slots import build_linear_inputs  # noqa: E402
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache: what it stores per token, or whose it reads, or
+    (linear attention) the state it keeps per request."""
+
+    num_kv_heads: int
+    head_dim: int  # K's head size (MLA: kv_lora_rank + rope dims, one latent row per token)
+    # "kv": separate K and V caches; "latent": one cache (MLA), V = its first
+    # v_head_dim; "state": a linear-attention layer's per-request state slots
+    # (state_shapes: the convolution state in the model dtype, then the
+    # recurrent state in float32 where the layer has one)
+    layout: str = "kv"
+    v_head_dim: int | None = None  # V's head size where it differs from head_dim (MLA)
+    source: int | None = None  # reads this earlier layer's cache instead of its own (gemma4's KV sharing)
+    state_shapes: tuple[tuple[int, ...], ...] | None = None  # "state": per request, (conv[, recurrent])
+
+
+@dataclass
+class LoadedModel:
+    """An mlx-lm model with paged attention layers, and the facts the KV cache needs."""
+
+    model: nn.Module
+    config: dict
+    dtype: mx.Dtype
+    num_layers: int
+    layer_kv: list[LayerKV]  # per layer
+    sliding_windows: list[int | None]  # per layer
+    quantized: bool  # weights still MLX-quantized after loading
+    # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
+    fused: dict = field(default_factory=dict)
+    # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
+    norm_rope: dict = field(default_factory=dict)
+    # Pipeline parallel (distributed/pipeline.py): the layers this rank runs
+    # and caches (all of them otherwise), whether it computes the logits, and
+    # the transport whose sends a step evaluates with its caches.
+    owned: range | None = None
+    last_stage: bool = True
+    transport: object = None
+    tp_projections: int = 0  # projections split by tensor parallel (0: none)
+    weights_bytes: int = 0  # the weights this rank holds (a pipeline stage: its layers, embedding / head)
+
+    def owns(self, layer: int) -> bool:
+        return self.owned is None or layer in self.owned
+
+    def kv_summary(self) -> str:
+        """The cache shapes in words: '3 KV heads of 64' where every layer is
+        alike, else per kind ('4 layers: 1 KV heads of 16, 2 layers: ...')."""
+        own = [kv for kv in self.layer_kv if kv.source is None]
+        kinds = {}
+        for kv in own:
+            text = (f"latent rows of {kv.head_dim} (V: first {kv.v_head_dim})" if kv.layout == "latent"
+                    else "linear-attention states " + " + ".join(str(s) for s in kv.state_shapes)
+                    if kv.layout == "state" else f"{kv.num_kv_heads} KV heads of {kv.head_dim}")
+            kinds[text] = kinds.get(text, 0) + 1
+        shared = len(self.layer_kv) - len(own)
+        if len(kinds) == 1 and not shared:
+            return next(iter(kinds))
+        return ", ".join(f"{n} layers: {text}" for text, n in kinds.items()) + (
+            f", {shared} layers reading earlier layers' caches" if shared else "")
+
+    def load_notes(self, parallel) -> list[str]:
+        """What loading did beyond the plain model, in words (the runner logs
+        them): this rank's tensor / pipeline share (`parallel`: its
+        ParallelPlan), fused projections, CPU primitives."""
+        notes = []
+        if self.tp_projections:
+            notes.append(f"tensor parallel rank {parallel.tp_rank} of {parallel.tp}: "
+                         f"{self.tp_projections} projections split")
+        if self.owned is not None:
+            notes.append(f"pipeline stage {parallel.pp_rank} of {parallel.pp}: layers "
+                         f"{self.owned.start}-{self.owned.stop - 1} of {self.num_layers}")
+        if self.fused:
+            notes.append("fused projections: {qkv} q/k/v, {gate_up} gate/up, {swiglu} SwiGLU".format(**self.fused))
+        if self.norm_rope:
+            notes.append("CPU primitives: {rms_norm} RMSNorms, RoPE of {rope} layers from {rope_tables} "
+                         "table(s) a step".format(**self.norm_rope))
+        return notes
+
+    def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int]) -> PagedKVCache:
+        """Zeroed paged caches for every layer that has its own (group g's
+        layers use block size block_sizes[g]); MLA layers get their one latent
+        cache only (values[i] None), layers sharing another's cache none.
+        Linear-attention layers get their state pools, one slot per block id:
+        keys[i] the convolution states, values[i] the recurrent states (None
+        where the layer has none: lfm2's short convolutions)."""
+        keys, values = [], []
+        for i, (kv, g) in enumerate(zip(self.layer_kv, layer_group)):
+            if not self.owns(i):  # another pipeline stage's layer
+                keys.append(None)
+                values.append(None)
+                continue
+            if kv.layout == "state":
+                conv, *recurrent = kv.state_shapes
+                keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
+                values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
+                continue
+            shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
+            keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
+            values.append(mx.zeros(shape, dtype=self.dtype) if kv.source is None and kv.layout == "kv" else None)
+        cache = PagedKVCache(keys, values, layer_group)
+        mx.eval(cache.arrays())
+        return cache
+
+    @property
+    def has_linear(self) -> bool:
+        """Some layers are linear attention (a hybrid model)."""
+        return any(kv.layout == "state" for kv in self.layer_kv)
+
+    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array | None:
+        """One packed step (step_inputs.StepInputs) through every layer and the
+        head: lazy float32 logits of the hidden rows `logit_rows`; the caches
+        in `kv` are replaced by their written versions (evaluate them with the
+        logits). A pipeline stage before the last returns None: its output
+        leaves through the transport (evaluate `transport.take_pending()`)."""
+        kv.retained = []
+        kv.step = StepAttentionInputs(
+            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
+            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
+            block_tables=[mx.array(t) for t in inputs.block_tables],
+            slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
+            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None))
+            if self.has_linear else None)
+        try:
+            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            if not self.last_stage:
+                return None
+            return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
+        finally:
+            kv.step = None
+
+    def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
+        """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""
+        return self.model.model(token_ids[None], cache=cache_views)[0]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final hidden rows -> float32 logits [rows, vocab] (lazy), through
+        the model's own output head: mlx-lm's `Model.__call__` runs with its
+        inner model standing in as "these hidden rows", so whatever the family
+        does after the decoder (tied or separate head, final logit softcap,
+        logit_scale, logits_scaling) is mlx-lm's code, never re-implemented.
+        A wrapper whose `model` is a property (qwen3_5: the text model under
+        `language_model`) has the stand-in put where the decoder really is."""
+        owner = decoder_owner(self.model)
+        inner = owner["model"]
+        owner["model"] = _HiddenRows(inner, hidden[None])
+        try:
+            out = self.model(mx.zeros((1, hidden.shape[0]), dtype=mx.int32))
+        finally:
+            owner["model"] = inner
+        return out[0].astype(mx.float32)
+
+
+def decoder_owner(model: nn.Module) -> nn.Module:
+    """The module holding the decoder as its child `model`: the mlx-lm
+    `Model` itself, or the text model it wraps (`language_model`: qwen3_5)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if isinstance(owner, nn.Module) and isinstance(owner.get("model"), nn.Module):
+            return owner
+    raise NotImplementedError(f"{type(model).__module__}.{type(model).__name__}: no decoder child `model` "
+                              "(on the model or its language_model) for the output head to run after")
+
+
+class _HiddenRows:
+    """Stands in for an mlx-lm model's inner decoder for one call: returns
+    the given hidden states, and passes every attribute (embed_tokens for a
+    tied head, ...) through to the real decoder."""
+
+    def __init__(self, inner: nn.Module, hidden: mx.array):
+        self._inner, self._hidden = inner, hidden
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return self._hidden
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
