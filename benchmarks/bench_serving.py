@@ -93,8 +93,7 @@ def vllm_cpu_preload() -> list[str]:
 
 
 def is_hybrid(model: str) -> bool:
-    """A model with linear-attention layers (vllm_metal.models.registry), which
-    vllm-metal serves without prefix caching (docs/models.md)."""
+    """A model with linear-attention layers (vllm_metal.models.registry)."""
     from vllm_metal.models.registry import SERVED
 
     config = Path(model) / "config.json"
@@ -106,7 +105,9 @@ def server_command(system: str, model: str, port: int, kv_bytes: int, preload: b
     """(argv, extra env) that serve `model` on `port` for one system."""
     common = ["--host", HOST, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
               "--kv-cache-memory-bytes", str(kv_bytes)]
-    if is_hybrid(model):
+    if is_hybrid(model) and system == "vllm-cpu":
+        # vLLM's CPU backend is not known here to serve hybrid prefix caching;
+        # vllm-metal runs vLLM's default (prefix caching on, "align" mode).
         common.append("--no-enable-prefix-caching")
     env = dict(SYSTEMS[system].env)
     if system.startswith("vllm-metal"):

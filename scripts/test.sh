@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Sets up everything (scripts/setup.sh) and runs the whole test suite.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k paged).
+#
+# Two pytest-xdist workers, each test file on one worker (--dist loadfile:
+# module-scoped engines and models stay shared within a file): on a 2-core
+# machine the suite's many waits (engine and server start-ups, subprocesses,
+# timeouts) overlap with the other worker's compute. VLLM_METAL_TEST_WORKERS=0
+# runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # Tests that need a tool (clang, cmake) fail rather than skip when it is missing.
 export CI=${CI:-1}
-exec .venv/bin/python -m pytest tests -q -ra "$@"
+workers=${VLLM_METAL_TEST_WORKERS:-2}
+parallel=()
+[[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile)
+# (${a[@]+...}: bash 3.2, macOS's, calls an empty array unbound under set -u.)
+exec .venv/bin/python -m pytest tests -q -ra ${parallel[@]+"${parallel[@]}"} "$@"

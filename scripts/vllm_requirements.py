@@ -6,7 +6,7 @@ at times a pin the package index cannot satisfy yet. scripts/setup.sh installs
 vLLM itself with --no-deps and then exactly the lines this prints (binary
 wheels only), so nothing is built from source and nothing CUDA-only is
 downloaded beyond what torch itself needs. `python scripts/vllm_requirements.py
---check` lists what is skipped and why (tests/plugin/test_vllm_version.py
+--check` lists what is skipped and why (tests/engine/test_vllm_version.py
 checks the installed vLLM still matches these tables).
 """
 

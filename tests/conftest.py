@@ -1,8 +1,21 @@
-"""Shared fixtures. Importing vllm_metal.native.ops first gives MLX the fast BLAS."""
+"""Shared fixtures and helpers' home (tests/ is on sys.path: array_helpers,
+numpy_reference, engine_helpers, families, server_helpers, model_variants).
+Importing vllm_metal.native.ops first gives MLX the fast BLAS.
+
+Engines in tests run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so
+tests can look at the runner's instrumentation; `vllm serve` tests start a
+real server subprocess instead.
+"""
 
 from __future__ import annotations
 
+import os
 import zlib
+
+os.environ.setdefault("VLLM_METAL_DEVICE", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import pytest

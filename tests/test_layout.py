@@ -96,3 +96,10 @@ def test_no_module_is_too_long():
 def test_every_folder_has_a_rank():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == set(RANKS) - {""}, "give a new folder its rank in RANKS (and docs/architecture.md)"
+
+
+def test_tests_mirror_the_package():
+    """Each folder of the package has its tests in the folder of the same name."""
+    tests = Path(__file__).resolve().parent
+    missing = [name for name in RANKS if name and not any((tests / name).glob("test_*.py"))]
+    assert not missing, f"no tests/<folder>/test_*.py for: {missing}"

@@ -3,18 +3,8 @@
 The engines here start vLLM's multiprocess executor: one spawned worker
 process per rank, MLX's ring over loopback (or network namespaces: the
 multi-host tests). The tiny family models and engine helpers are the
-plugin tests' (tests/plugin/).
+shared tests' (tests/families.py, tests/engine_helpers.py).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-os.environ.setdefault("VLLM_METAL_DEVICE", "cpu")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "plugin"))

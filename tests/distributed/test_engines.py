@@ -3,7 +3,7 @@ worker process per rank (vLLM's multiprocess executor), MLX's ring over
 loopback as the data plane.
 
 Against one rank: the golden greedy tokens of the embedded model (bit-exact,
-single-host, tests/plugin/golden_tokens.json) and the single-rank engine's
+single-host, tests/golden_tokens.json) and the single-rank engine's
 prompt and sampled log-probabilities (float tolerance: tensor parallel sums
 in another order); batched == solo; tensor parallel inside pipeline stages. A rank killed mid-generation fails the
 request with an error within a bound (never a hang), and the engine stops.

@@ -1,7 +1,7 @@
 """Pipeline stages of every served family, in one process: the stages' logits
 are the whole model's.
 
-Each family's tiny random-weight model (tests/plugin/families.py) is loaded
+Each family's tiny random-weight model (tests/families.py) is loaded
 once whole and once per stage (distributed/pipeline.py rewires mlx-lm's own
 decoder), the stages joined by an in-process transport instead of MLX's
 ring, and run by `LoadedModel.forward`, the step the model runner evaluates:

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,13 +17,12 @@ import httpx
 import psutil
 
 TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS / "plugin"))  # server_helpers, golden_tokens.json
 
 from server_helpers import SERVED_NAME, vllm_server  # noqa: E402
 
 # Multiplies request counts, durations and fuzz cases; 1 is the CI size.
 SCALE = max(1, int(os.environ.get("VLLM_METAL_RELIABILITY_SCALE", "1")))
-GOLDEN = json.loads((TESTS / "plugin" / "golden_tokens.json").read_text())
+GOLDEN = json.loads((TESTS / "golden_tokens.json").read_text())
 
 # vLLM 0.33's Prometheus gauge names (unchanged since 0.32) (vllm/v1/metrics/loggers.py).
 RUNNING = "vllm:num_requests_running"

@@ -1,7 +1,7 @@
 """Load: 64 x SCALE concurrent streaming requests of mixed prompt and output
 lengths all complete with exactly the requested number of tokens, and each
 one's greedy tokens equal the same request run alone (which in turn equals
-mlx-lm's own generation, tests/plugin/golden_tokens.json). Both runs start
+mlx-lm's own generation, tests/golden_tokens.json). Both runs start
 from an empty prefix cache."""
 
 from __future__ import annotations

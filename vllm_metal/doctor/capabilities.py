@@ -191,13 +191,16 @@ def model_check(model_dir: str) -> dict:
         return result
     windows = sorted({w for w in m.sliding_windows if w})
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    flags = []
+    notes = []
     if "vision_config" in config or any(a.endswith("ForConditionalGeneration")
                                         for a in config.get("architectures") or []):
-        flags.append("--language-model-only (a multimodal checkpoint: only its text model is served)")
-    result.update(served=True, flags=[f.split(" ")[0] for f in flags],
+        notes.append("a multimodal checkpoint: its text model is served, prompts with media are refused")
+    # `flags`: what a user must pass for this model to be served; vLLM's
+    # defaults serve every family now (hybrids with prefix caching, the text
+    # model of multimodal checkpoints), so none today.
+    result.update(served=True, flags=[],
                   reason=f"{m.num_layers} layers, {m.kv_summary()}"
                   + (f", sliding windows {windows}" if windows else "")
                   + (", MLX-quantized" if m.quantized else "")
-                  + ("; serve with " + ", ".join(flags) if flags else ""))
+                  + "".join(f"; {n}" for n in notes))
     return result

@@ -52,7 +52,7 @@ def kv_bytes_ratio(vllm_config, specs: dict[str, KVCacheSpec]) -> float:
 
     # The grouping vLLM's engine makes from these specs, and the bytes per
     # block it divides the budget by (a private helper of vLLM 0.33's
-    # planner: tests/plugin/test_hybrid.py fails if its meaning changes).
+    # planner: tests/engine/test_hybrid.py fails if its meaning changes).
     groups = get_global_kv_cache_groups(vllm_config, [deepcopy(specs)])
     if len(groups) <= 1:
         return 1.0

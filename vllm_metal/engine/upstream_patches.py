@@ -11,7 +11,7 @@ where torch has no accelerator (Linux, MLX's CPU device) those calls can raise
 replaces the same functions (v1/worker/cpu_model_runner.py). On Apple Silicon
 torch sees MPS as its accelerator, and nothing is replaced.
 
-tests/plugin/test_upstream_patches.py fails when vLLM's shutdown stops
+tests/engine/test_upstream_patches.py fails when vLLM's shutdown stops
 calling these functions this way, so the patch is re-examined on upgrades.
 """
 

@@ -1,5 +1,5 @@
 """Which mlx-lm model families vllm-metal serves: only those a parity test
-proves against mlx-lm's own forward (tests/plugin/test_family_parity.py
+proves against mlx-lm's own forward (tests/models/test_family_parity.py
 builds a tiny random-weight model of every family listed here, float32 and
 MLX-quantized, and checks the facts this table states about it).
 

@@ -1,5 +1,5 @@
 """Every served model family, proven against mlx-lm's own forward on the same
-weights: a tiny random-weight model of the family (tests/plugin/families.py),
+weights: a tiny random-weight model of the family (tests/families.py),
 one engine per family that chunks prefills (64-token budget) and caches
 prefixes, float32.
 

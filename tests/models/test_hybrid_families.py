@@ -4,7 +4,7 @@ granitemoehybrid's Mamba-2 mixers: convolution + SSM state), beyond the
 parity matrix: a slot still holding an earlier request's state never leaks
 into a new request, a continuing request does read its slot, and the pools
 are written back in place. The hybrids of mlx-lm not served yet are refused
-with what they miss. (Through the engine: tests/plugin/test_hybrid.py.)"""
+with what they miss. (Through the engine: tests/engine/test_hybrid.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Writes golden_tokens.json: mlx-lm's own greedy generation on the embedded
 model (weights expanded to float32, contiguous KV cache), for the golden test.
 
-    python tests/plugin/make_golden.py      # regenerate after changing the model
+    python tests/make_golden.py      # regenerate after changing the model
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Tiny random-weight models of mlx-lm families, and the reference they are
-checked against (tests/plugin/test_family_parity.py).
+checked against (tests/models/test_family_parity.py).
 
 Each model is built by mlx-lm's own `ModelArgs`/`Model` for its model_type
 (2-3 layers, hidden 64, the embedded tokenizer's 49,152-token vocabulary),

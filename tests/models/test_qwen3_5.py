@@ -8,7 +8,7 @@ architectures, `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`):
   (`Qwen3_5ForConditionalGeneration`, M-RoPE sections in its rope
   parameters) is refused unless served text-only (vllm-metal runs no vision
   encoder), and text-only it matches mlx-lm's forward, also through
-  `vllm serve` with the flags `vllm-metal doctor` names.
+  `vllm serve` with vLLM's defaults (no flags: the doctor names none).
 """
 
 from __future__ import annotations
@@ -58,24 +58,25 @@ def multimodal_dir(model_dir, tmp_path_factory):
     return str(out)
 
 
-def test_multimodal_architecture_is_refused_unless_text_only(multimodal_dir):
+def test_multimodal_architecture_serves_its_text_model_unless_media_are_asked_for(multimodal_dir):
     from vllm.engine.arg_utils import EngineArgs
 
     common = dict(model=multimodal_dir, dtype="float32", max_model_len=512)
     with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration.*--language-model-only"):
-        EngineArgs(**common).create_engine_config()
+        EngineArgs(**common, limit_mm_per_prompt={"image": 2}).create_engine_config()  # media asked for
     with pytest.raises(ValueError, match="runs no vision or audio encoder"):  # one modality still open
         EngineArgs(**common, limit_mm_per_prompt={"image": 0}).create_engine_config()
-    for text_only in (dict(language_model_only=True), dict(limit_mm_per_prompt={"image": 0, "video": 0})):
+    # vLLM's defaults (no choice made): the text model, media refused per request.
+    for text_only in (dict(), dict(language_model_only=True), dict(limit_mm_per_prompt={"image": 0, "video": 0})):
         config = EngineArgs(**common, **text_only).create_engine_config().model_config
         assert config.is_hybrid and not config.supports_multimodal_inputs
 
 
-def test_doctor_names_the_flags_a_qwen3_5_checkpoint_needs(multimodal_dir):
+def test_doctor_says_a_qwen3_5_checkpoint_is_served_without_flags(multimodal_dir):
     from vllm_metal.doctor.capabilities import model_check
 
     report = model_check(multimodal_dir)
-    assert report["served"] and report["flags"] == ["--language-model-only"]
+    assert report["served"] and report["flags"] == []
     assert "multimodal checkpoint" in report["reason"]
 
 
@@ -83,8 +84,8 @@ def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir)
     prompts = [LONG[:20], LONG[100:190]]
     ref = reference_logprobs(multimodal_dir)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    with engine(multimodal_dir, max_model_len=512, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
-                language_model_only=True) as llm:
+    with engine(multimodal_dir, max_model_len=512, kv_cache_memory_bytes=16 << 20,
+                max_num_batched_tokens=64) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         tokens = list(out.outputs[0].token_ids)
@@ -96,26 +97,33 @@ def test_multimodal_architecture_served_text_only_matches_mlx_lm(multimodal_dir)
 
 
 @pytest.mark.slow
-def test_vllm_serve_qwen3_5_checkpoint_with_doctor_flags(multimodal_dir, tmp_path):
-    """`vllm serve` on a Qwen3.5 checkpoint with the flags `vllm-metal doctor`
-    names (vLLM's defaults otherwise: prefix caching on): two concurrent
-    completions over HTTP (continuous batching of a hybrid through the
-    OpenAI server) give mlx-lm's greedy tokens, judged by teacher forcing,
-    with the fused gated-delta recurrence; the second prompt asked again
-    resumes from its cached state (the usage reports the cached tokens: 128,
-    two of the 64-token blocks the platform picks for this model) with the
-    same tokens."""
+def test_vllm_serve_qwen3_5_checkpoint_with_defaults(multimodal_dir, tmp_path):
+    """`vllm serve` on a Qwen3.5 checkpoint with vLLM's defaults (prefix
+    caching on, multimodal inputs not limited: its text model is served):
+    two concurrent completions over HTTP (continuous batching of a hybrid
+    through the OpenAI server) give mlx-lm's greedy tokens, judged by teacher
+    forcing, with the fused gated-delta recurrence; the second prompt asked
+    again resumes from its cached state (the usage reports the cached tokens:
+    128, two of the 64-token blocks the platform picks for this model) with
+    the same tokens; a chat message with an image is refused (400), and the
+    server goes on."""
+    import base64
+    import io
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+    from PIL import Image
     from server_helpers import SERVED_NAME, vllm_server
 
     from vllm_metal.doctor.capabilities import model_check
 
+    assert model_check(multimodal_dir)["flags"] == []
     prompts = [LONG[:30], LONG[200:340]]
     ref = reference_logprobs(multimodal_dir)
-    with vllm_server(multimodal_dir, *model_check(multimodal_dir)["flags"], "--enable-prompt-tokens-details",
-                     log_path=tmp_path / "serve.log") as (base, _):
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(png, format="PNG")
+    image_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    with vllm_server(multimodal_dir, "--enable-prompt-tokens-details", log_path=tmp_path / "serve.log") as (base, _):
         def complete(prompt):
             r = httpx.post(base + "/v1/completions", timeout=120, json=dict(
                 model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, logprobs=0,
@@ -123,6 +131,11 @@ def test_vllm_serve_qwen3_5_checkpoint_with_doctor_flags(multimodal_dir, tmp_pat
             r.raise_for_status()
             return r.json()
 
+        refused = httpx.post(base + "/v1/chat/completions", timeout=120, json=dict(
+            model=SERVED_NAME, max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": image_url}}]}]))
+        assert refused.status_code == 400 and "At most 0 image(s)" in refused.text, refused.text
         with ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(complete, prompts))
         again = complete(prompts[1])
