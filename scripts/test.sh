@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything (scripts/setup.sh) and runs the whole test suite.
-# Extra arguments go to pytest (e.g. scripts/test.sh -k paged).
+# Extra arguments go to pytest (e.g. scripts/test.sh -k paged). The ten slowest
+# tests are listed at the end of every run.
 #
 # Two pytest-xdist workers, each test file on one worker (--dist loadfile:
 # module-scoped engines and models stay shared within a file): on a 2-core
@@ -16,4 +17,4 @@ workers=${VLLM_METAL_TEST_WORKERS:-2}
 parallel=()
 [[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile)
 # (${a[@]+...}: bash 3.2, macOS's, calls an empty array unbound under set -u.)
-exec .venv/bin/python -m pytest tests -q -ra ${parallel[@]+"${parallel[@]}"} "$@"
+exec .venv/bin/python -m pytest tests -q -ra --durations=10 ${parallel[@]+"${parallel[@]}"} "$@"
