@@ -117,6 +117,31 @@ def test_tensor_parallel_two_and_inside_two_pipeline_stages_on_a_tiny_llama(mode
         compare(generate(llm, prompts, max_tokens=8), want, "tiny llama pp=2 x tp=2")
 
 
+def test_hybrid_across_two_pipeline_stages_with_prefix_caching(model_dir, tmp_path):
+    """A hybrid (qwen3_next: linear-attention and attention layers on both
+    stages) on two pipeline stages with vLLM's defaults: its states move
+    block to block on each stage (prefix caching's align mode), so a prompt
+    sharing an 80-token prefix with earlier ones resumes from the cached
+    state at its last block boundary, and every prompt's tokens are mlx-lm's
+    greedy choices (teacher forcing)."""
+    from families import build, reference_logprobs
+
+    variant = build("qwen3_next", tmp_path / "qwen3_next", model_dir)
+    ref = reference_logprobs(variant)
+    long = GOLDEN[-1]["prompt_ids"]
+    prompts = [long[300:380] + long[start:start + 14] for start in (400, 450, 500)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with engine(variant, max_model_len=512, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=64,
+                pipeline_parallel_size=2) as llm:
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts]
+    assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 80 // block * block > 0
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        rows = ref(prompt + tokens[:-1])[len(prompt) - 1:]
+        assert (rows[np.arange(len(tokens)), tokens] >= rows.max(axis=1) - 1e-3).all()
+
+
 def test_tensor_parallel_that_does_not_divide_the_heads_is_refused(model_dir):
     # The embedded model has 9 query heads and 3 KV heads: TP=2 cannot split them.
     with pytest.raises(Exception, match="divisible by tensor parallel size|does not divide"):
