@@ -116,7 +116,8 @@ class MetalModelRunner:
         """One spec per layer with a cache of its own (layers reading an
         earlier layer's cache have none, as vLLM's KV sharing does).
         Linear-attention layers declare vLLM's Mamba-style state spec: one
-        slot per request (block size mamba_block_size, mode "none")."""
+        slot per request (mode "none"), or with prefix caching a block per
+        attention block (mode "align", engine/state_align.py)."""
         return kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
 
     def kv_bytes_ratio(self) -> float:
