@@ -120,6 +120,17 @@ def test_prompt_logprobs_exactly_once_after_preemption(model_dir, reference):
         check(out, prompt, reference(prompt), 2)
 
 
+def test_prompt_logprobs_over_a_cached_prefix_are_refused_per_request(chunked, reference):
+    """skip_reading_prefix_cache=False with prompt logprobs would read a
+    prefix whose positions are never computed (no scores for them): that
+    request is refused with the reason (before it reaches the engine, which
+    crashed on the uninitialised rows' token ids), and the next is served."""
+    prompt = LONG[:40]
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache"):
+        run(chunked, [prompt], prompt_logprobs=1, skip_reading_prefix_cache=False)
+    check(run(chunked, [prompt], prompt_logprobs=1)[0], prompt, reference(prompt), 1)
+
+
 def test_fixed_id_scoring_is_refused_by_vllm_on_the_v1_contract(chunked):
     # vLLM's prompt_logprob_token_ids needs its V2 runner; the plugin keeps
     # the V1 contract, and vLLM itself refuses the request with its reason.

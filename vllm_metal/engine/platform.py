@@ -122,6 +122,21 @@ class MetalPlatform(Platform):
         reject_quantization(quant)
 
     @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Per request, in vLLM's input processing (a refusal is that
+        request's error, HTTP 400). Prompt logprobs of a prompt whose prefix
+        is read from the prefix cache: its cached positions are never
+        computed, so they would have no scores (vLLM's GPU runner hands over
+        uninitialised rows; here they crashed vLLM's detokenizer). vLLM skips
+        the cache for prompt-logprob requests unless told otherwise."""
+        if getattr(params, "prompt_logprobs", None) is not None and \
+                getattr(params, "skip_reading_prefix_cache", None) is False:
+            raise ValueError("vllm-metal cannot give prompt logprobs for a prompt read from the prefix cache "
+                             "(skip_reading_prefix_cache=False): its cached positions are never computed. Leave "
+                             "skip_reading_prefix_cache unset (vLLM then computes the whole prompt for prompt "
+                             "logprobs) or drop prompt_logprobs.")
+
+    @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         # vLLM's hybrid KV-cache manager (one KV-cache group per kind of
         # layer): hybrid linear-attention models need it for their state
