@@ -228,10 +228,6 @@ class MetalPlatform(Platform):
                              f"the convolution, float32 for the recurrent state): leave --mamba-cache-dtype and "
                              f"--mamba-ssm-cache-dtype at auto (got {cache.mamba_cache_dtype!r}, "
                              f"{cache.mamba_ssm_cache_dtype!r}).")
-        if hybrid and cache.mamba_cache_mode not in ("none", "align"):
-            raise ValueError(f"vllm-metal keeps hybrid models' linear-attention states one slot per request "
-                             f"(no prefix caching) or one per block (prefix caching: vLLM's 'align' mode, its "
-                             f"default), not --mamba-cache-mode {cache.mamba_cache_mode!r}")
         if hybrid and cache.mamba_cache_mode == "align":
             # Prefix caching (vLLM's default for hybrids): a state block per
             # attention block (engine/state_align.py), as vLLM's own hybrid
