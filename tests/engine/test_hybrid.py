@@ -185,3 +185,32 @@ def test_bad_write_back_mode_is_refused(hybrid_dir, monkeypatch):
     monkeypatch.setenv("VLLM_METAL_STATE_WRITEBACK", "sideways")
     with pytest.raises(ValueError, match="VLLM_METAL_STATE_WRITEBACK='sideways'"):
         load_model(hybrid_dir, dtype="float32")
+
+
+def test_partial_block_hits_copy_the_matched_block(hybrid_dir, model_dir, monkeypatch):
+    """--prefix-match-unit 16 under 64-token blocks: vLLM's prefix cache hits
+    mid-block (a state checkpoint at the 80-token shared prefix, inside the
+    second block) and copies the partially matched block before the request
+    writes it (kv_cache_block_copies, applied to every cache array). The hits
+    are sub-block, the copies happen, and every prompt's tokens are mlx-lm's
+    greedy choices (teacher forcing)."""
+    from families import reference_logprobs
+
+    from vllm_metal.models.attention_adapter import PagedKVCache
+
+    copies = []
+    copy_blocks = PagedKVCache.copy_blocks
+    monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda self, pairs: (copies.append(len(pairs)),
+                                                                           copy_blocks(self, pairs))[1])
+    ref = reference_logprobs(hybrid_dir)
+    prompts = [LONG[300:380] + LONG[start:start + 14] for start in (400, 450, 500)]
+    with engine(hybrid_dir, max_model_len=512, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+                prefix_match_unit=16) as llm:
+        assert sorted(runner_of(llm).block_sizes) == [64, 64]
+        outs = [greedy(llm, [p], max_tokens=8)[1][0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 80, 80]
+    assert copies, "a partial hit should have made vLLM copy a block"
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        rows = ref(prompt + tokens[:-1])[len(prompt) - 1:]
+        assert (rows[np.arange(len(tokens)), tokens] >= rows.max(axis=1) - 1e-3).all()

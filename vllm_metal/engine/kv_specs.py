@@ -65,8 +65,7 @@ def kv_bytes_ratio(vllm_config, specs: dict[str, KVCacheSpec]) -> float:
             ours_per_block += sum(spec.kv_cache_specs[name].real_page_size_bytes for name in group.layer_names)
         else:
             ours_per_block += len(group.layer_names) * spec.real_page_size_bytes
-    vllm_per_block = planned_per_block
-    return max(1.0, ours_per_block / vllm_per_block)
+    return max(1.0, ours_per_block / planned_per_block)
 
 
 def cache_groups(config: KVCacheConfig, m: LoadedModel, layer_name: Callable[[int], str]

@@ -50,11 +50,10 @@ class AlignedStateIndex:
         layers start it from zeros); its source is the null block 0."""
         block = self.block_size
         computed = np.asarray(num_computed, np.int64)
-        prev = np.array([self.state_idx.get(r, -1) for r in req_ids], np.int64)
-        fresh = np.array([r not in self.state_idx for r in req_ids])
-        # A new or resumed request's state is its last computed token's block:
-        # a prefix-cache hit ends on a block boundary (-1: nothing computed).
-        prev[fresh] = (computed[fresh] - 1) // block
+        # A new or resumed request's state is its last computed token's block
+        # (a prefix-cache hit's; -1: nothing computed).
+        prev = np.array([self.state_idx.get(r, (c - 1) // block) for r, c in zip(req_ids, computed.tolist())],
+                        np.int64)
         curr = -(-(computed + np.asarray(num_scheduled, np.int64)) // block) - 1
         for r, c in zip(req_ids, curr.tolist()):
             self.state_idx[r] = c
