@@ -48,7 +48,8 @@ core=("mlx==$(pin mlx)" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24"
 
 if [[ "$MODE" != "--core" ]]; then
   # pandas: `vllm bench serve --dataset-name custom` (the sonnet benchmark) reads JSONL with it.
-  serve=("mlx-lm==$(pin mlx-lm)" gguf openai pandas "mlx==$(pin mlx)")
+  # peft: the tests write PEFT adapters with it (the adapters' reference format).
+  serve=("mlx-lm==$(pin mlx-lm)" gguf openai pandas "peft==$(pin peft)" "mlx==$(pin mlx)")
   if [[ "$(uname -s)" == "Linux" ]]; then
     # vLLM's Linux wheel is its CUDA build: install it without its
     # dependencies, then the ones the plugin needs (scripts/vllm_requirements.py

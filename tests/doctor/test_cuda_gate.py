@@ -34,9 +34,10 @@ def test_doctor_json_on_this_machine():
     assert report["hybrid_state_writeback"]["mode"] == "inplace"
     assert report["gated_delta_path"]["name"] == "fused" and report["gated_delta_path"]["reason"]
     assert len(report["cuda_paths"]) == len(cuda_gate.CUDA_PATHS)
+    assert report["lora"]["served"] and len(report["lora"]["formats"]) == 2
     assert all(p["status"] == {"warn": "inert", "error": "refused"}[p["if_requested"]] and p["reason"]
                and p["instead"] for p in report["cuda_paths"])
-    assert {"lora", "kv_connector", "kv_offloading", "pooling", "prompt_embeds"} <= {
+    assert {"kv_connector", "kv_offloading", "pooling", "prompt_embeds"} <= {
         p["key"] for p in report["cuda_paths"] if p["status"] == "refused"}
 
 
@@ -46,6 +47,7 @@ def test_doctor_text_and_module_entry_point():
     assert out.returncode == 0
     assert "attention   cpu:" in out.stdout and "CUDA graphs: inert" in out.stdout
     assert "gated delta fused:" in out.stdout
+    assert "lora        served (--enable-lora): PEFT" in out.stdout and "kv_b_proj (absorbed at load)" in out.stdout
 
 
 def test_doctor_fails_when_plugin_would_be_inactive():
@@ -89,7 +91,6 @@ def engine_config(model_dir, **kwargs):
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
      r"--speculative-config asks for speculative decoding"),
     # Accepted by vLLM, and silently ignored by the MLX runner until refused:
-    (dict(enable_lora=True), r"--enable-lora asks for LoRA adapters .*Instead: merge the adapter"),
     (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
      r"--kv-transfer-config \(kv_connector=ExampleConnector\) asks for KV connectors"),
     (dict(kv_offloading_size=1.0), r"--kv-offloading-size 1.0 asks for KV-cache offloading"),

@@ -59,3 +59,49 @@ def test_cleanup_runs_with_the_patch(monkeypatch):
         pytest.skip("torch has an accelerator here: nothing is patched")
     upstream_patches.patch_torch_accelerator()
     parallel_state.cleanup_dist_env_and_memory()
+
+
+# ---- LoRA load errors: 400 for an adapter vllm-metal refuses ---------------------
+
+def test_lora_patch_targets_the_pinned_vllm_and_its_500():
+    # Fails when vLLM changes how load_lora_adapter answers an engine error:
+    # re-examine the patch then (it may answer client errors as 4xx itself).
+    from vllm.entrypoints.openai.models import serving
+
+    assert upstream_patches.LORA_UPSTREAM.startswith(f"vllm=={versions.VLLM}:")
+    original = getattr(serving.OpenAIServingModels.load_lora_adapter, "__wrapped__",
+                       serving.OpenAIServingModels.load_lora_adapter)
+    source = inspect.getsource(original)
+    assert "await self.engine_client.add_lora(lora_request)" in source
+    assert 'err_type="InternalServerError"' in source and "HTTPStatus.INTERNAL_SERVER_ERROR" in source
+
+
+@pytest.mark.parametrize("message,status", [
+    ("Call to add_lora method failed: vllm-metal cannot serve LoRA adapter 'x' at /p: rank 32 is above "
+     "--max-lora-rank 16", 400),
+    ("Call to add_lora method failed: something else broke", 500),
+])
+def test_lora_patch_maps_only_refusals_to_400(message, status, monkeypatch):
+    import asyncio
+
+    from vllm.entrypoints.openai.models import serving
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    cls = serving.OpenAIServingModels
+    monkeypatch.setattr(cls, "load_lora_adapter", getattr(cls.load_lora_adapter, "__wrapped__",
+                                                          cls.load_lora_adapter))
+    assert upstream_patches.patch_lora_load_status() and not upstream_patches.patch_lora_load_status()
+
+    class Engine:
+        async def add_lora(self, request):
+            raise RuntimeError(message)
+
+    models = object.__new__(cls)
+    models.engine_client, models.lora_requests = Engine(), {}
+    models.lora_id_counter = serving.AtomicCounter(0)
+    models.lora_resolver_lock = serving.defaultdict(asyncio.Lock)
+    models.registry = type("R", (), {"is_base_model": lambda self, name: False})()
+    result = asyncio.run(models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name="x", lora_path="/p")))
+    assert result.error.code == status
+    assert message.split("failed: ")[1] in result.error.message
+    assert models.lora_requests == {}

@@ -109,6 +109,9 @@ def capabilities() -> dict:
     if not active:
         problems.append(f"vLLM would not select this plugin: {why_active}")
     report["cuda_paths"] = _cuda_paths()
+    from vllm_metal.adapters.serving_config import lora_capability
+
+    report["lora"] = lora_capability()
     report["problems"] = problems
     report["can_serve"] = not problems
     return report

@@ -37,6 +37,10 @@ def format_report(r: dict) -> str:
                      f"{r['hybrid_state_writeback']['reason']}")
     if r.get("gated_delta_path", {}).get("name"):
         lines.append(f"hybrid      gated delta {r['gated_delta_path']['name']}: {r['gated_delta_path']['reason']}")
+    if r.get("lora"):
+        lora = r["lora"]
+        lines.append(f"lora        served (--enable-lora): {'; '.join(lora['formats'])}; {lora['batching']}")
+        lines.append(f"            refused: {'; '.join(lora['refused'])}")
     lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
     lines.append("cuda paths  (inert: turned off with a warning; refused: asking for it is an error)")
     for p in r["cuda_paths"]:

@@ -66,10 +66,6 @@ def _expert_parallel(cfg) -> str | None:
     return None
 
 
-def _lora(cfg) -> str | None:
-    return "--enable-lora" if getattr(cfg, "lora_config", None) is not None else None
-
-
 def _kv_transfer(cfg) -> str | None:
     from vllm_metal.kv.connector_config import is_ours
 
@@ -155,9 +151,6 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
     CudaPath("cuda_runtime", "CUDA runtime / compatibility libraries", "no CUDA runtime is loaded",
              "MLX (Metal or CPU)", "warn", None,
              ("VLLM_CUDART_SO_PATH", "VLLM_ENABLE_CUDA_COMPATIBILITY", "VLLM_CUDA_COMPATIBILITY_PATH")),
-    CudaPath("lora", "LoRA adapters (punica kernels)", "vLLM applies adapters with Triton/CUDA punica kernels "
-             "on torch layers, and the model here is MLX: an adapter would be silently ignored",
-             "merge the adapter into the weights (mlx_lm.fuse) and serve the fused model", "error", _lora),
     CudaPath("kv_connector", "KV connectors other than vllm-metal's disk cache (disaggregated prefill, LMCache, "
              "NIXL, ...)",
              "connectors move KV blocks as torch device tensors; the cache here is MLX arrays",
@@ -189,7 +182,6 @@ FLAGS: dict[str, str] = {
     "expert_parallel": "`--enable-expert-parallel`, `--enable-eplb`, `--enable-dbo`",
     "rocm_aiter": "",
     "cuda_runtime": "",
-    "lora": "`--enable-lora`, `LLM(enable_lora=True)`",
     "kv_connector": "`--kv-transfer-config`",
     "kv_offloading": "`--kv-offloading-size`",
     "pooling": "`--runner pooling`, `--convert embed/classify/...`",

@@ -33,6 +33,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal import envs
+from vllm_metal.adapters.pool import AdapterPool
 from vllm_metal.distributed.plan import ParallelPlan
 from vllm_metal.engine import kv_specs, prompt_logprobs
 from vllm_metal.engine.persistent_batch import PersistentBatch
@@ -87,6 +88,8 @@ class MetalModelRunner:
         # The worker side of a KV connector (--kv-transfer-config: our disk
         # cache), driven here as vLLM's GPU runner drives its connector.
         self.kv_connector = None
+        # LoRA adapters (--enable-lora): the loaded ones and each step's deltas (adapters/pool.py).
+        self.adapters: AdapterPool | None = None
 
     # ---- start-up -------------------------------------------------------
 
@@ -102,6 +105,10 @@ class MetalModelRunner:
                                     fuse=fuse_projections_enabled(self.device),
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel)
         m = self.mlx_model
+        lora = self.vllm_config.lora_config
+        if lora is not None:
+            self.adapters = AdapterPool(m, m.dtype, lora.max_lora_rank, lora.max_loras,
+                                        lora.max_cpu_loras or lora.max_loras)
         logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs%s", self.model_config.model, dtype,
                     ", MLX-quantized" if m.quantized else "", self.device, time.perf_counter() - start,
                     "".join(f"; {e}" for e in m.load_notes(self.parallel)))
@@ -155,9 +162,13 @@ class MetalModelRunner:
                 ScheduledRow([5, 6, 7], block - 1, [[0, 0]] * groups),
                 ScheduledRow([8], 2 * block + 5, [[0, 0, 0]] * groups)]
         inputs = build_step_inputs(rows, self.block_sizes)
+        if self.adapters is not None:
+            self.adapters.trace()  # the projections the model's code calls: what an adapter may target
         try:
             logits = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
             mx.eval(logits if logits is not None else [], self.kv.arrays())
+            if self.adapters is not None:
+                self.adapters.seal()
         except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
                                f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
@@ -258,7 +269,13 @@ class MetalModelRunner:
             moved = self.state_index.plan([s.req_id for s in states], np.array([r.num_computed for r in rows]),
                                           np.diff(inputs.cu_seqlens_q), [inputs.block_tables[g] for g in self.align_groups])
             inputs.state_slots = dict(zip(self.align_groups, moved))
-        logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
+        if self.adapters is not None:
+            self.adapters.begin_step([s.lora_request for s in states], np.diff(inputs.cu_seqlens_q))
+        try:
+            logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
+        finally:
+            if self.adapters is not None:
+                self.adapters.end_step()
         if logits is None:
             # A pipeline stage before the last: its part is done (evaluated
             # under the synchronous scheduling vLLM uses with pipelines);

@@ -35,6 +35,7 @@ class RequestState:
     # handed to vLLM once, with the request's first sampled token.
     prompt_logprobs: LogprobsTensors | None = None
     prompt_logprobs_sent: bool = False
+    lora_request: object = None  # vLLM's LoRARequest: the adapter this request runs with (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +108,8 @@ class PersistentBatch:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(params.seed)
             state = RequestState(new.req_id, list(new.prompt_token_ids or []), params, generator,
-                                 [list(b) for b in new.block_ids], new.num_computed_tokens)
+                                 [list(b) for b in new.block_ids], new.num_computed_tokens,
+                                 lora_request=new.lora_request)
             self.requests[new.req_id] = state
             to_add.append(state)
 

@@ -101,7 +101,9 @@ class MetalPlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        raise NotImplementedError("LoRA is not supported by vllm-metal")
+        # Only vLLM's torch LoRA layers ask; here adapters run in MLX (vllm_metal/adapters/).
+        raise NotImplementedError("vllm-metal applies LoRA adapters in MLX (vllm_metal/adapters), not with "
+                                  "vLLM's punica kernels")
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
@@ -211,6 +213,12 @@ class MetalPlatform(Platform):
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.engine.worker.MetalWorker"
         cls._configure_parallel(parallel)
+        if vllm_config.lora_config is not None:
+            from vllm_metal.adapters.serving_config import check_lora_config
+            from vllm_metal.engine.upstream_patches import patch_lora_load_status
+
+            check_lora_config(vllm_config)
+            patch_lora_load_status()  # an adapter refused at load: HTTP 400, not 500
         # Async scheduling stays vLLM's choice (on by default): the runner
         # starts a step's evaluation and lets the engine schedule the next
         # step meanwhile (model_runner.py); not with a KV connector (below).

@@ -35,3 +35,38 @@ def patch_torch_accelerator() -> list[str]:
     for name in TARGETS:
         setattr(torch.accelerator, name, _noop)
     return list(TARGETS)
+
+
+# vllm==0.33.0: OpenAIServingModels.load_lora_adapter (/v1/load_lora_adapter
+# and --lora-modules) answers every engine error but "not found" with HTTP 500
+# InternalServerError. An adapter vllm-metal refuses (adapters/adapter_files.py:
+# its message starts with REFUSED) is the client's bad input: 400, same message.
+LORA_UPSTREAM = "vllm==0.33.0: vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter"
+
+
+def patch_lora_load_status() -> bool:
+    """Maps load_lora_adapter's 500 for a refused adapter to 400. Returns
+    whether it patched now (False: already patched)."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.openai.models import serving
+
+    from vllm_metal.adapters.adapter_files import REFUSED
+
+    cls = serving.OpenAIServingModels
+    original = cls.load_lora_adapter
+    if getattr(original, "_vllm_metal_patched", False):
+        return False
+
+    async def load_lora_adapter(self, request, base_model_name=None):
+        result = await original(self, request, base_model_name)
+        error = getattr(result, "error", None)
+        if error is not None and error.code == HTTPStatus.INTERNAL_SERVER_ERROR and REFUSED in error.message:
+            return serving.create_error_response(message=error.message, err_type="BadRequestError",
+                                                 status_code=HTTPStatus.BAD_REQUEST)
+        return result
+
+    load_lora_adapter._vllm_metal_patched = True
+    load_lora_adapter.__wrapped__ = original
+    cls.load_lora_adapter = load_lora_adapter
+    return True

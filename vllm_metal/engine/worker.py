@@ -163,6 +163,28 @@ class MetalWorker(WorkerBase):
                 handler.flush()
             os._exit(70)
 
+    # vLLM's LoRA contract (engine core -> executor -> collective_rpc):
+    # adapters/pool.py does the work; an adapter that cannot be served raises
+    # AdapterError (a ValueError) naming it and why.
+
+    def add_lora(self, lora_request) -> bool:
+        return self._adapters().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._adapters().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._adapters().list()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._adapters().pin(lora_id)
+
+    def _adapters(self):
+        pool = self.model_runner.adapters if self.model_runner is not None else None
+        if pool is None:
+            raise RuntimeError("LoRA is not enabled: start the engine with --enable-lora")
+        return pool
+
     def take_draft_token_ids(self):
         return None
 

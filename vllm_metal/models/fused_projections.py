@@ -70,6 +70,8 @@ class _SharedProduct:
 
     def own_product(self, i: int, x: mx.array) -> mx.array:
         lo, hi = self.offsets[i], self.offsets[i + 1]
+        if type(self.fused) is not nn.Linear:  # wrapped (adapters/lora_sites.py): its call adds the delta
+            return self.fused(x)[..., lo:hi]
         weight = self.fused.weight[lo:hi]
         if "bias" in self.fused:
             return mx.addmm(self.fused.bias[lo:hi], x, weight.T)
