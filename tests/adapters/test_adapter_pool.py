@@ -189,3 +189,17 @@ def test_adapter_that_does_not_fit_the_model_is_refused(case, words, base, adapt
         pool.add(request(2, path))
     assert words in str(e.value), str(e.value)
     assert pool.list() == {1}
+
+
+def test_memory_kept_for_adapters_is_what_they_can_hold(base, tmp_path):
+    """--max-cpu-loras adapters at --max-lora-rank on every projection, and
+    their slot pack, fill exactly what the worker keeps out of the KV budget."""
+    m = load_model(base, fuse=True, norm_rope=True)
+    pool = AdapterPool(m, m.dtype, max_rank=8, max_loras=2, capacity=2)
+    full = [make_mlx_adapter(base, tmp_path / f"r8-{i}", rank=8, num_layers=3, seed=i) for i in range(2)]
+    reqs = [request(i + 1, p) for i, p in enumerate(full)]
+    pool.begin_step(reqs, np.array([1, 1]))  # both seated: the slot pack is built
+    pool.end_step()
+    packed = sum(a.nbytes + b.nbytes for a, b, _ in pool._slot_pack.values())
+    held = sum(a.nbytes for a in pool.loaded.values()) + packed
+    assert held == pool.reserve_bytes() > 0

@@ -274,6 +274,17 @@ class AdapterPool:
             h = h * mask
         return mx.addmm(y, h, b_cat.T)
 
+    def reserve_bytes(self) -> int:
+        """The most the adapters can hold: --max-cpu-loras loaded adapters at
+        --max-lora-rank on every target, plus a slot pack of --max-loras of
+        them. The worker leaves it out of the KV-cache budget."""
+        members: dict[int, int] = {}
+        for target in self.targets.values():
+            members[target.site] = members.get(target.site, 0) + 1
+        per_adapter = sum(n * self.max_rank * (self.sites[i].in_dims + self.sites[i].out_dims)
+                          for i, n in members.items()) * self.dtype.size
+        return per_adapter * (self.capacity + self.max_loras)
+
     def stats(self) -> dict:
         return {"loaded": len(self.loaded), "pinned": len(self.pinned), "slots": list(self.slots),
                 "repacks": self.repacks,

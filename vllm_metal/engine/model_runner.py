@@ -105,7 +105,7 @@ class MetalModelRunner:
                                     fuse=fuse_projections_enabled(self.device),
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel)
         m = self.mlx_model
-        lora = self.vllm_config.lora_config
+        lora = getattr(self.vllm_config, "lora_config", None)
         if lora is not None:
             self.adapters = AdapterPool(m, m.dtype, lora.max_lora_rank, lora.max_loras,
                                         lora.max_cpu_loras or lora.max_loras)
@@ -115,6 +115,9 @@ class MetalModelRunner:
 
     def weights_bytes(self) -> int:
         return self.mlx_model.weights_bytes  # this rank's resident weights (loader.py)
+
+    def adapter_reserve_bytes(self) -> int:
+        return self.adapters.reserve_bytes() if self.adapters is not None else 0
 
     def layer_name(self, i: int) -> str:
         return f"model.layers.{i}.self_attn"

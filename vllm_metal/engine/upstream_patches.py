@@ -1,6 +1,6 @@
-"""The one place vllm-metal changes upstream behaviour at run time.
+"""The one place vllm-metal changes upstream behaviour at run time: two patches.
 
-Targets vLLM 0.33.0 (and torch 2.14): `vllm.distributed.parallel_state.
+1. Targets vLLM 0.33.0 (and torch 2.14): `vllm.distributed.parallel_state.
 cleanup_dist_env_and_memory`, run when the engine core shuts down, calls
 `torch.accelerator.empty_cache()` / `empty_host_cache()` on every platform
 whose `is_cpu()` is false, and vLLM offers no platform hook to replace those
@@ -11,8 +11,12 @@ where torch has no accelerator (Linux, MLX's CPU device) those calls can raise
 replaces the same functions (v1/worker/cpu_model_runner.py). On Apple Silicon
 torch sees MPS as its accelerator, and nothing is replaced.
 
-tests/engine/test_upstream_patches.py fails when vLLM's shutdown stops
-calling these functions this way, so the patch is re-examined on upgrades.
+2. `/v1/load_lora_adapter` (and `--lora-modules`) answers every engine error
+but "not found" with HTTP 500; an adapter this plugin refuses (a bad file, a
+rank above --max-lora-rank, ...) is the client's error: 400 (patch_lora_load_status).
+
+tests/engine/test_upstream_patches.py fails when vLLM's code stops doing what
+each patch answers, so the patches are re-examined on upgrades.
 """
 
 from __future__ import annotations

@@ -89,10 +89,15 @@ class MetalWorker(WorkerBase):
         # Ranks on one host share its memory evenly.
         parallel = self.parallel_config
         local_ranks = max(parallel.world_size // max(parallel.nnodes, 1), 1)
+        # LoRA adapters (--enable-lora) get their most, at --max-lora-rank, kept free.
+        adapters = self.model_runner.adapter_reserve_bytes()
         budget = memory.kv_cache_budget(
             device=self.device_name, total=memory.device_total_memory(self.device_name) // local_ranks,
-            utilization=self.cache_config.gpu_memory_utilization, weights=weights, other_used=used,
+            utilization=self.cache_config.gpu_memory_utilization, weights=weights, other_used=used + adapters,
             explicit=self.cache_config.kv_cache_memory_bytes)
+        if adapters:
+            logger.info("vllm-metal: %.2f GiB kept for LoRA adapters (--max-cpu-loras + --max-loras at "
+                        "--max-lora-rank)", adapters / 2**30)
         # vLLM plans one tensor per layer of each cache group, shared across
         # groups; every layer here has arrays of its own (hybrid models).
         ratio = self.model_runner.kv_bytes_ratio()
