@@ -113,3 +113,26 @@ def reference_logprobs(model_dir: str, mlx_adapter: str | None = None):
         return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 
     return logprobs
+
+
+def peft_from_mlx_adapter(mlx_dir: str, out: Path) -> str:
+    """The same adapter in PEFT's layout (names `base_model.model.<module>.
+    lora_A.weight` [r, in] / `lora_B.weight` [out, r], lora_alpha = scale * r):
+    served through the PEFT reader, its reference is mlx-lm's load_adapters
+    of the original."""
+    from safetensors.numpy import save_file
+
+    config = json.loads((Path(mlx_dir) / "adapter_config.json").read_text())
+    params = config["lora_parameters"]
+    tensors, targets = {}, set()
+    for name, value in mx.load(str(Path(mlx_dir) / "adapters.safetensors")).items():
+        module, kind = name.rsplit(".", 1)
+        key = "lora_A" if kind == "lora_a" else "lora_B"
+        tensors[f"base_model.model.{module}.{key}.weight"] = np.ascontiguousarray(np.array(value).T)
+        targets.add(module.rsplit(".", 1)[-1])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": params["rank"], "lora_alpha": params["scale"] * params["rank"],
+         "target_modules": sorted(targets), "bias": "none"}))
+    return str(out)

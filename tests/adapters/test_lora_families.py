@@ -1,11 +1,12 @@
 """An mlx_lm.lora adapter on every served family: mlx-lm's own tuner writes
 it (rank 4, every Linear of every decoder layer, MoE experts aside: see
-docs/lora.md), mlx-lm's own load_adapters is the reference. One engine per
-family serves the base model and the adapter in one batch: the adapter's
-greedy tokens by teacher forcing and its prompt log-probabilities within
-1e-3 of the reference, the base row still the base model's, and the adapter
-moving the prompt log-probabilities far beyond that tolerance (it is not
-silently dropped).
+docs/lora.md), mlx-lm's own load_adapters is the reference; the same adapter
+in PEFT's layout goes through the PEFT reader. One engine per family serves
+the base model and both adapters in one batch: each adapter's greedy tokens
+by teacher forcing and its prompt log-probabilities within 1e-3 of the
+reference, the base row still the base model's, and the adapter moving the
+prompt log-probabilities far beyond that tolerance (it is not silently
+dropped).
 
 Refused, with the reason: an adapter on latent attention's kv_b_proj
 (absorbed at load), and --enable-lora on an architecture vLLM's own config
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine
 from families import FAMILIES, build
-from lora_adapters import make_mlx_adapter, reference_logprobs
+from lora_adapters import make_mlx_adapter, peft_from_mlx_adapter, reference_logprobs
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -49,7 +50,7 @@ def logprobs_of(prompt, out):
 def test_mlx_lm_adapter_on_every_family(model_type, model_dir, tmp_path):
     variant = build(model_type, tmp_path / model_type, model_dir)
     keys = linear_keys(variant)
-    settings = dict(max_model_len=512, kv_cache_memory_bytes=16 << 20, enable_lora=True, max_loras=1,
+    settings = dict(max_model_len=512, kv_cache_memory_bytes=16 << 20, enable_lora=True, max_loras=2,
                     max_lora_rank=8, max_num_batched_tokens=64)
     if model_type in VLLM_REFUSES:
         with pytest.raises(Exception, match=VLLM_REFUSES[model_type]):
@@ -66,9 +67,11 @@ def test_mlx_lm_adapter_on_every_family(model_type, model_dir, tmp_path):
             mla = make_mlx_adapter(variant, tmp_path / "mla", rank=4, keys=absorbed, num_layers=64)
             with pytest.raises(Exception, match="absorbs kv_b_proj"):
                 llm.llm_engine.add_lora(LoRARequest("mla", 9, mla))
-        base, tuned = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)] * 2, params,
-                                   lora_request=[None, LoRARequest("tuned", 1, adapter)], use_tqdm=False)
-    for out, reference, what in ((tuned, ref, "adapter"), (base, base_ref, "base")):
+        peft = peft_from_mlx_adapter(adapter, tmp_path / "peft")
+        base, tuned, as_peft = llm.generate(
+            [TokensPrompt(prompt_token_ids=PROMPT)] * 3, params, use_tqdm=False,
+            lora_request=[None, LoRARequest("tuned", 1, adapter), LoRARequest("peft", 2, peft)])
+    for out, reference, what in ((tuned, ref, "adapter"), (as_peft, ref, "PEFT adapter"), (base, base_ref, "base")):
         tokens = list(out.outputs[0].token_ids)
         rows = reference(PROMPT + tokens[:-1])[len(PROMPT) - 1:]
         chosen = rows[np.arange(len(tokens)), tokens]
