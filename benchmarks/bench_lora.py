@@ -130,8 +130,10 @@ def render(report: dict) -> str:
     runs = [r for r in report["runs"] if "error" not in r]
     base = {(r["system"], r["concurrency"]): r["output_tok_s"] for r in runs if r["mode"] == "base"}
     m = report["meta"]
+    per = " / ".join(f"{n} at c={c}" for c, n in zip(m.get("concurrency", []), m.get("num_prompts", []))) \
+        or str(m["dataset"]["num_prompts"])
     lines = [f"Run {m['date']} on {m['cpu']} ({m['isa']}, {m['cores']} cores), plugin {m['plugin_revision']}, "
-             f"{m['dataset']['num_prompts']} sonnet prompts of ~{m['dataset']['prompt_tokens_mean']:.0f} tokens, "
+             f"sonnet prompts ({per}) of ~{m['dataset']['prompt_tokens_mean']:.0f} tokens, "
              f"{m['output_len']} output tokens; four rank-{RANK} PEFT adapters on every projection; "
              f"raw: `benchmarks/results/lora/lora.json`.", "",
              "| system | adapters in the batch | conc. | output tok/s | TTFT p50 ms | TPOT p50 ms | overhead vs base "
@@ -164,7 +166,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-docs", action="store_true", help="print the table only; write nothing")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "lora" / "lora.json")
     ap.add_argument("--docs", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    ap.add_argument("--render-only", type=Path, metavar="LORA_JSON", help="rewrite the docs table from a run's JSON")
     args = ap.parse_args(argv)
+    if args.render_only:
+        write_docs(args.docs, render(json.loads(args.render_only.read_text())))
+        return 0
     if args.quick:
         args.num_prompts, args.output_len, args.concurrency, args.no_docs = [2], 8, [1], True
     if len(args.num_prompts) == 1:
@@ -198,6 +204,7 @@ def main(argv=None) -> int:
                        "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": bs.plugin_revision(),
                        "versions": bs.versions(), "model_dir": str(model_dir), "adapters": adapters, "rank": RANK,
                        "dataset": sonnet_dataset.summary(prompts), "output_len": args.output_len,
+                       "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                        "command": shlex.join(["benchmarks/bench_lora.py", *(argv or sys.argv[1:])]),
                        "run_dir": str(run_dir), "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()},
               "runs": runs}
@@ -206,14 +213,17 @@ def main(argv=None) -> int:
     if not args.no_docs:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-        text = args.docs.read_text()
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
-            args.docs.write_text(text)
-        else:
-            print(f"{args.docs} has no {BEGIN} block: table not written there")
+        write_docs(args.docs, table)
     return 0
+
+
+def write_docs(docs: Path, table: str) -> None:
+    text = docs.read_text()
+    if BEGIN not in text:
+        print(f"{docs} has no {BEGIN} block: table not written there")
+        return
+    head, rest = text.split(BEGIN, 1)
+    docs.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

@@ -269,11 +269,17 @@ def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: i
 
 def reference_logprobs(model_dir: str):
     """tokens -> float64 log-softmax rows of mlx-lm's own forward, float32
-    weights (row i predicts token i + 1). MLX's float32 logsumexp on the CPU
-    is off by ~1e-4, so the normalisation is numpy float64."""
+    weights (row i predicts token i + 1)."""
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(model_dir))
+    return logprobs_of(model)
+
+
+def logprobs_of(model):
+    """tokens -> float64 log-softmax rows of `model` (an mlx-lm model, run in
+    float32). MLX's float32 logsumexp on the CPU is off by ~1e-4, so the
+    normalisation is numpy float64."""
     model.set_dtype(mx.float32)
 
     def logprobs(tokens):

@@ -99,20 +99,12 @@ def merged_peft_model(model_dir: str, adapter_dir: str, out: Path) -> str:
 def reference_logprobs(model_dir: str, mlx_adapter: str | None = None):
     """tokens -> float64 log-softmax rows of mlx-lm's forward (row i predicts
     token i + 1), with an mlx-lm adapter loaded by mlx-lm's load_adapters."""
+    from families import logprobs_of
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(model_dir))
-    if mlx_adapter is not None:
-        model = load_adapters(model, mlx_adapter)
-    model.set_dtype(mx.float32)
-
-    def logprobs(tokens):
-        logits = np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)
-        logits -= logits.max(axis=-1, keepdims=True)
-        return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-
-    return logprobs
+    return logprobs_of(load_adapters(model, mlx_adapter) if mlx_adapter is not None else model)
 
 
 def peft_from_mlx_adapter(mlx_dir: str, out: Path) -> str:

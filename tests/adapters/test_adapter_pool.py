@@ -37,8 +37,10 @@ def adapters(base, tmp_path_factory) -> list[str]:
             make_mlx_adapter(base, root / "third", rank=2, scale=1.0, num_layers=1, seed=3)]
 
 
-def pool_for(model_dir: str, capacity: int = 4, max_loras: int = 2):
+def pool_for(model_dir: str, capacity: int = 4, max_loras: int = 2, extra=None):
     m = load_model(model_dir, fuse=True, norm_rope=True)
+    if extra is not None:
+        extra(m)
     pool = AdapterPool(m, m.dtype, max_rank=16, max_loras=max_loras, capacity=capacity)
     kv = m.allocate_kv(8, [16], [0] * m.num_layers)
     inputs = build_step_inputs([ScheduledRow([1, 2, 3], 0, [[1]])], [16])
@@ -203,3 +205,39 @@ def test_memory_kept_for_adapters_is_what_they_can_hold(base, tmp_path):
     packed = sum(a.nbytes + b.nbytes for a, b, _ in pool._slot_pack.values())
     held = sum(a.nbytes for a in pool.loaded.values()) + packed
     assert held == pool.reserve_bytes() > 0
+
+
+def test_a_projection_the_model_never_calls_is_not_a_target(base, adapters, tmp_path):
+    """A Linear in a layer that no forward reaches (here one added to layer 2's
+    MLP) is sealed off after the traced step: an adapter naming it is refused,
+    not silently ignored."""
+    import mlx.nn as nn
+
+    def add_unused(m):
+        m.model.model.layers[2].mlp["unused_proj"] = nn.Linear(64, 64)
+
+    _, pool = pool_for(base, extra=add_unused)
+    assert any(s.name == "mlp.unused_proj" for s in pool.sites)  # wrapped, but never called
+    assert (2, "mlp.unused_proj") not in pool.targets and (2, "mlp.up_proj") in pool.targets
+    path = rename(adapters[2], tmp_path / "unused", "mlp.up_proj", "mlp.unused_proj",
+                  lambda k, v: v[:, :64] if k.endswith("unused_proj.lora_b") else v)
+    with pytest.raises(AdapterError, match="layer 2 mlp.unused_proj: not a projection this model computes"):
+        pool.add(request(1, path))
+
+
+def test_load_inplace_replaces_the_adapters_weights(base, adapters, rng):
+    """vLLM's load_inplace (/v1/load_lora_adapter with load_inplace): the same
+    id reloaded from another path computes with the new weights."""
+    _, pool = pool_for(base)
+    pool.add(request(1, adapters[0]))
+    pool.begin_step([request(1, adapters[0])], np.array([2]))
+    pool.end_step()
+    again = LoRARequest("adapter-1", 1, adapters[1], load_inplace=True)
+    pool.add(again)
+    assert pool.loads == 2 and pool.list() == {1}
+    mod = {(m.layer, m.path): m for m in read_adapter("x", adapters[1], 16).modules}[(0, "mlp.down_proj")]
+    target = pool.targets[(0, "mlp.down_proj")]
+    x = rng.standard_normal((1, 2, pool.sites[target.site].in_dims)).astype(np.float32)
+    pool.begin_step([again], np.array([2]))
+    got = np.array(pool.apply(target.site, mx.array(x), mx.zeros((1, 2, 64)))[0])
+    np.testing.assert_allclose(got, x[0].astype(np.float64) @ mod.a @ mod.b * mod.scale, atol=1e-5)

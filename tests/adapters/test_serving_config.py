@@ -12,6 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
     (dict(tensor_parallel_size=3), "vllm-metal serves LoRA adapters on one rank"),
     (dict(pipeline_parallel_size=2), "vllm-metal serves LoRA adapters on one rank"),
     (dict(enable_tower_connector_lora=True), "multimodal LoRA options"),
+    (dict(lora_target_modules=["o_proj"]), "--lora-target-modules"),
 ])
 def test_refused_combinations(extra, words, model_dir):
     with pytest.raises(Exception, match=words):

@@ -68,13 +68,6 @@ class AdapterWeights:
     format: str  # "peft" or "mlx-lm"
     modules: list[LoRAModule]
 
-    @property
-    def rank(self) -> int:
-        return max(m.a.shape[1] for m in self.modules)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules)
 
 
 def read_adapter(name: str, path: str, max_rank: int) -> AdapterWeights:

@@ -11,9 +11,8 @@ every row are added inside the model's own code, in the step's one graph,
 whatever module calls the projection.
 
 Only projections the model's code calls are targets: the runner's warm-up
-step runs with tracing on and `seal` drops every site no call reached (an
-absorbed MLA projection, a KV-shared layer's k/v), so an adapter naming one
-is refused instead of being silently ignored.
+step runs with tracing on and `seal` drops every site no call reached, so an
+adapter naming one is refused instead of being silently ignored.
 """
 
 from __future__ import annotations

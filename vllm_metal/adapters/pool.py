@@ -49,8 +49,6 @@ ABSORBED = {"kv_b_proj": "latent attention (MLA) absorbs kv_b_proj into its quer
 @dataclass
 class LoadedAdapter:
     request: object  # the LoRARequest it was loaded for
-    weights_format: str
-    rank: int
     sites: dict[int, tuple[mx.array, mx.array]]  # site -> (A^T [R, in], (B * scale)^T [out, R])
     nbytes: int
 
@@ -173,7 +171,7 @@ class AdapterPool:
             sites[index] = (mx.array(np.ascontiguousarray(a.T)).astype(self.dtype),
                             mx.array(np.ascontiguousarray(b.T)).astype(self.dtype))
         mx.eval([x for pair in sites.values() for x in pair])
-        return LoadedAdapter(request, weights.format, weights.rank, sites,
+        return LoadedAdapter(request, sites,
                              sum(x.nbytes for pair in sites.values() for x in pair))
 
     # ---- per step ------------------------------------------------------------
@@ -284,9 +282,3 @@ class AdapterPool:
         per_adapter = sum(n * self.max_rank * (self.sites[i].in_dims + self.sites[i].out_dims)
                           for i, n in members.items()) * self.dtype.size
         return per_adapter * (self.capacity + self.max_loras)
-
-    def stats(self) -> dict:
-        return {"loaded": len(self.loaded), "pinned": len(self.pinned), "slots": list(self.slots),
-                "repacks": self.repacks,
-                "bytes": sum(a.nbytes for a in self.loaded.values()),
-                "targets": len(self.targets), "sites": len(self.sites)}

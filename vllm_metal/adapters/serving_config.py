@@ -27,6 +27,10 @@ def check_lora_config(vllm_config) -> None:
     if getattr(lora, "enable_tower_connector_lora", False) or getattr(lora, "default_mm_loras", None):
         raise ValueError("vllm-metal serves text models only: multimodal LoRA options (--enable-tower-connector-"
                          "lora, --default-mm-loras) are refused; drop them.")
+    if getattr(lora, "target_modules", None):
+        raise ValueError(f"vllm-metal applies each adapter to every module it holds: --lora-target-modules "
+                         f"{lora.target_modules} (a deployment-time restriction) is refused; drop it, or train / "
+                         "save the adapter with only those modules.")
     model = vllm_config.model_config
     lora_dtype = getattr(lora, "lora_dtype", "auto")
     if model is not None and lora_dtype not in ("auto", None, model.dtype):
