@@ -37,7 +37,8 @@ def test_doctor_json_on_this_machine():
     assert report["lora"]["served"] and len(report["lora"]["formats"]) == 2
     assert all(p["status"] == {"warn": "inert", "error": "refused"}[p["if_requested"]] and p["reason"]
                and p["instead"] for p in report["cuda_paths"])
-    assert {"kv_connector", "kv_offloading", "pooling", "prompt_embeds"} <= {
+    assert report["pooling"]["served"] and "modernbert" in report["pooling"]["encoders"]
+    assert {"kv_connector", "kv_offloading", "prompt_embeds"} <= {
         p["key"] for p in report["cuda_paths"] if p["status"] == "refused"}
 
 
@@ -94,9 +95,6 @@ def engine_config(model_dir, **kwargs):
     (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
      r"--kv-transfer-config \(kv_connector=ExampleConnector\) asks for KV connectors"),
     (dict(kv_offloading_size=1.0), r"--kv-offloading-size 1.0 asks for KV-cache offloading"),
-    (dict(runner="pooling"), r"--runner pooling( --convert embed)? asks for pooling / embedding .*vllm-metal does not serve"),
-    (dict(runner="pooling", convert="embed"), r"--runner pooling --convert embed asks for pooling"),
-    (dict(convert="embed"), r"--runner pooling --convert embed asks for pooling"),
     (dict(enable_prompt_embeds=True), r"--enable-prompt-embeds asks for prompt embeddings"),
 ])
 def test_result_changing_options_are_errors(model_dir, kwargs, message):

@@ -26,6 +26,14 @@ def test_models(client):
     assert [m.id for m in client.models.list().data] == [SERVED_NAME]
 
 
+def test_embeddings_refused_by_a_generation_model(client):
+    """A pooling request to a generation server: vLLM registers only the
+    served tasks' routes, so a 404 -- and the server keeps generating."""
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=SERVED_NAME, input="hello")
+    assert ask(client, "Hi", temperature=0, max_tokens=2).usage.completion_tokens > 0
+
+
 def test_chat_answers_paris(client):
     reply = ask(client, "What is the capital of France?", temperature=0, max_tokens=24)
     assert "Paris" in reply.choices[0].message.content

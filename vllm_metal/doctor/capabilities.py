@@ -112,6 +112,9 @@ def capabilities() -> dict:
     from vllm_metal.adapters.serving_config import lora_capability
 
     report["lora"] = lora_capability()
+    from vllm_metal.pooling.serving_config import pooling_capability
+
+    report["pooling"] = pooling_capability()
     report["problems"] = problems
     report["can_serve"] = not problems
     return report
@@ -181,17 +184,30 @@ def model_check(model_dir: str) -> dict:
     from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
     from vllm_metal.models.loader import load_model
 
+    from vllm_metal.pooling.checkpoint import describe
+
     result = {"path": str(model_dir), "model_type": None, "served": False, "reason": ""}
     try:
         result["model_type"] = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError) as e:
         result["reason"] = f"no readable config.json: {e}"
         return result
-    try:
-        m = load_model(model_dir, materialize=False)
-    except Exception as e:  # noqa: BLE001 -- the answer is the message
-        result["reason"] = f"{type(e).__name__}: {e}"
+    result["pooling"] = pooling = describe(model_dir)
+    if pooling["encoder"]:  # an encoder-only checkpoint: pooling is the only way it is served
+        result.update(served=pooling["served"], flags=["--runner pooling"] if pooling["served"] else [],
+                      reason=pooling["how"])
         return result
+    flags = []
+    try:
+        m = load_model(model_dir, materialize=False, pooling=pooling["made_for_pooling"])
+    except Exception as e:  # noqa: BLE001 -- the answer is the message
+        try:  # the bare decoder without an LM head (as Qwen3-Embedding ships): a pooling model only
+            m = load_model(model_dir, materialize=False, pooling=True)
+        except Exception:  # noqa: BLE001
+            result["reason"] = f"{type(e).__name__}: {e}"
+            return result
+        flags = ["--runner pooling"]
+        pooling["how"] = "no LM head in the checkpoint: served only as an embedding model, with --runner pooling"
     windows = sorted({w for w in m.sliding_windows if w})
     config = json.loads((Path(model_dir) / "config.json").read_text())
     notes = []
@@ -201,7 +217,7 @@ def model_check(model_dir: str) -> dict:
     # `flags`: what a user must pass for this model to be served; vLLM's
     # defaults serve every family now (hybrids with prefix caching, the text
     # model of multimodal checkpoints), so none today.
-    result.update(served=True, flags=[],
+    result.update(served=True, flags=flags,
                   reason=f"{m.num_layers} layers, {m.kv_summary()}"
                   + (f", sliding windows {windows}" if windows else "")
                   + (", MLX-quantized" if m.quantized else "")

@@ -37,6 +37,10 @@ def format_report(r: dict) -> str:
                      f"{r['hybrid_state_writeback']['reason']}")
     if r.get("gated_delta_path", {}).get("name"):
         lines.append(f"hybrid      gated delta {r['gated_delta_path']['name']}: {r['gated_delta_path']['reason']}")
+    if r.get("pooling"):
+        p = r["pooling"]
+        lines.append(f"pooling     served ({p['runner']}): encoders {p['encoders']}; decoders: {p['decoders']}")
+        lines.append(f"            refused: {'; '.join(p['refused'])}")
     if r.get("lora"):
         lora = r["lora"]
         lines.append(f"lora        served (--enable-lora): {'; '.join(lora['formats'])}; {lora['batching']}")
@@ -70,6 +74,9 @@ def doctor(args) -> int:
             m = report["model"]
             print(f"model       {m['path']} ({m['model_type']}): "
                   + ("will be served: " if m["served"] else "refused: ") + m["reason"])
+            pooling = m.get("pooling")
+            if pooling and not pooling["encoder"] and m["served"] and pooling["how"]:
+                print(f"pooling     {'served' if pooling['served'] else 'refused'}: {pooling['how']}")
     return 0 if report["can_serve"] else 1
 
 

@@ -82,14 +82,6 @@ def _kv_offloading(cfg) -> str | None:
     return f"--kv-offloading-size {size}" if size else None
 
 
-def _pooling(cfg) -> str | None:
-    mc = cfg.model_config
-    if mc is None or getattr(mc, "runner_type", "generate") == "generate":
-        return None
-    convert = getattr(mc, "convert_type", None)
-    return f"--runner {mc.runner_type}" + (f" --convert {convert}" if convert not in (None, "none") else "")
-
-
 def _prompt_embeds(cfg) -> str | None:
     mc = cfg.model_config
     return "--enable-prompt-embeds" if mc is not None and getattr(mc, "enable_prompt_embeds", False) else None
@@ -159,9 +151,6 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
     CudaPath("kv_offloading", "KV-cache offloading", "the offloading connectors copy torch device tensors",
              "the KV cache lives in unified memory already; drop --kv-offloading-size (for a cache that "
              "survives restarts: VLLM_METAL_KV_DISK)", "error", _kv_offloading),
-    CudaPath("pooling", "pooling / embedding / scoring models", "the runner produces tokens only",
-             "serve the model for generation (drop --runner pooling / --convert)", "error", _pooling,
-             kind="unserved"),
     CudaPath("prompt_embeds", "prompt embeddings as input", "the runner takes token ids only",
              "send token ids or text (drop --enable-prompt-embeds)", "error", _prompt_embeds, kind="unserved"),
 )
@@ -184,7 +173,6 @@ FLAGS: dict[str, str] = {
     "cuda_runtime": "",
     "kv_connector": "`--kv-transfer-config`",
     "kv_offloading": "`--kv-offloading-size`",
-    "pooling": "`--runner pooling`, `--convert embed/classify/...`",
     "prompt_embeds": "`--enable-prompt-embeds`",
 }
 

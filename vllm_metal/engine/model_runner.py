@@ -37,6 +37,7 @@ from vllm_metal.adapters.pool import AdapterPool
 from vllm_metal.distributed.plan import ParallelPlan
 from vllm_metal.engine import kv_specs, prompt_logprobs
 from vllm_metal.engine.persistent_batch import PersistentBatch
+from vllm_metal.engine.pooling_runner import PoolingSide
 from vllm_metal.engine.sampling import sample
 from vllm_metal.engine.state_align import AlignedStateIndex
 from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
@@ -62,8 +63,11 @@ class MetalModelRunner:
         # vLLM decides (on by default, --no-async-scheduling): see the module docstring.
         self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
-        self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), False, is_pooling_model=False,
+        self.is_pooling = self.model_config.runner_type == "pooling"
+        self.logitsprocs = build_logitsprocs(vllm_config, torch.device("cpu"), False, is_pooling_model=self.is_pooling,
                                              custom_logitsprocs=self.model_config.logits_processors or ())
+        # --runner pooling: the model and its pooler (engine/pooling_runner.py), set at load.
+        self.pooling: PoolingSide | None = None
         self.batch = PersistentBatch(self.logitsprocs)
         self.mlx_model: LoadedModel | None = None
         self.kv: PagedKVCache | None = None
@@ -100,6 +104,11 @@ class MetalModelRunner:
                              "(use float32, float16 or bfloat16)")
         choice = (envs.get("VLLM_METAL_DEQUANTIZE") or "auto").strip().lower()
         dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
+        if self.is_pooling:
+            self.pooling = PoolingSide(self, dtype, dequantize, fuse_projections_enabled(self.device),
+                                       cpu_norm_rope_enabled(self.device))
+            self.batch.pooling = self.pooling
+            return
         start = time.perf_counter()
         self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize,
                                     fuse=fuse_projections_enabled(self.device),
@@ -114,6 +123,8 @@ class MetalModelRunner:
                     "".join(f"; {e}" for e in m.load_notes(self.parallel)))
 
     def weights_bytes(self) -> int:
+        if self.pooling is not None:
+            return self.pooling.weights_bytes
         return self.mlx_model.weights_bytes  # this rank's resident weights (loader.py)
 
     def adapter_reserve_bytes(self) -> int:
@@ -128,6 +139,8 @@ class MetalModelRunner:
         Linear-attention layers declare vLLM's Mamba-style state spec: one
         slot per request (mode "none"), or with prefix caching a block per
         attention block (mode "align", engine/state_align.py)."""
+        if self.mlx_model is None:  # an encoder: no cache
+            return {}
         return kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
 
     def kv_bytes_ratio(self) -> float:
@@ -141,6 +154,8 @@ class MetalModelRunner:
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         m = self.mlx_model
+        if m is None:  # an encoder: no cache
+            return
         self.block_sizes, self.group_windows, layer_group = kv_specs.cache_groups(config, m, self.layer_name)
         self.align_groups = kv_specs.align_state_groups(config)
         if self.align_groups:
@@ -159,6 +174,13 @@ class MetalModelRunner:
         boundary, one decoding. The first request then pays no lazy set-up,
         and whatever the adapter cannot do for this model fails here, at
         start-up, with the model named -- never on a user's request."""
+        if self.pooling is not None:
+            try:
+                self.pooling.warm_up()
+            except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
+                raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model} as a pooling model: a "
+                                   f"warm-up step failed: {type(e).__name__}: {e}") from e
+            return
         groups = len(self.block_sizes)
         block = min(self.block_sizes)
         rows = [ScheduledRow([1, 2, 3, 4], 0, [[0]] * groups),
@@ -239,6 +261,9 @@ class MetalModelRunner:
             self.state_index.forget(so)
         if so.kv_cache_block_copies:  # the prefix cache's copy-on-write, before anything reads the blocks
             self.kv.copy_blocks(so.kv_cache_block_copies)
+        if self.pooling is not None and so.total_num_scheduled_tokens and self.batch.rows:
+            states = self.batch.states()
+            return self.pooling.execute(states, [so.num_scheduled_tokens[s.req_id] for s in states])
         if so.total_num_scheduled_tokens == 0 or not self.batch.rows:
             if connector is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT

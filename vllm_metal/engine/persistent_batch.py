@@ -36,6 +36,7 @@ class RequestState:
     prompt_logprobs: LogprobsTensors | None = None
     prompt_logprobs_sent: bool = False
     lora_request: object = None  # vLLM's LoRARequest: the adapter this request runs with (None: the base model)
+    pooling: object = None  # a pooling model's request: its pooling.step.PoolingRow (params, prompt, states)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +70,10 @@ class PersistentBatch:
     """Request states plus the row order of the running batch (no holes after
     `update`) and the rows' block tables."""
 
-    def __init__(self, logitsprocs):
+    def __init__(self, logitsprocs, pooling=None):
+        # A pooling model's side (engine/pooling_runner.py): vets and records
+        # each new request's PoolingParams; None for a generation model.
+        self.pooling = pooling
         self.requests: dict[str, RequestState] = {}
         self.rows: list[str | None] = []
         self.row_of: dict[str, int] = {}  # req_id -> its index in rows
@@ -101,15 +105,18 @@ class PersistentBatch:
         to_add: list[RequestState] = []
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            if params is None:
-                raise ValueError(f"request {new.req_id}: only generation (sampling) requests are supported")
+            if params is None and self.pooling is None:
+                raise ValueError(f"request {new.req_id}: a generation model answers generation (sampling) "
+                                 "requests only; serve an embedding or classifier model with --runner pooling")
             generator = None
-            if params.sampling_type == SamplingType.RANDOM_SEED:
+            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(params.seed)
             state = RequestState(new.req_id, list(new.prompt_token_ids or []), params, generator,
                                  [list(b) for b in new.block_ids], new.num_computed_tokens,
                                  lora_request=new.lora_request)
+            if self.pooling is not None:
+                self.pooling.add_request(state, new)
             self.requests[new.req_id] = state
             to_add.append(state)
 

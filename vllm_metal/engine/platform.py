@@ -219,6 +219,9 @@ class MetalPlatform(Platform):
 
             check_lora_config(vllm_config)
             patch_lora_load_status()  # an adapter refused at load: HTTP 400, not 500
+        from vllm_metal.pooling.serving_config import check_pooling_config
+
+        check_pooling_config(vllm_config)  # --runner pooling: what it may be combined with
         # Async scheduling stays vLLM's choice (on by default): the runner
         # starts a step's evaluation and lets the engine schedule the next
         # step meanwhile (model_runner.py); not with a KV connector (below).

@@ -72,7 +72,8 @@ class MetalWorker(WorkerBase):
         return self.model_runner.mlx_model
 
     def get_supported_tasks(self):
-        return ("generate",)
+        pooling = self.model_runner.pooling
+        return pooling.tasks() if pooling is not None else ("generate",)
 
     def get_kv_cache_spec(self):
         return self.model_runner.get_kv_cache_spec()
@@ -98,6 +99,15 @@ class MetalWorker(WorkerBase):
         if adapters:
             logger.info("vllm-metal: %.2f GiB kept for LoRA adapters (--max-cpu-loras + --max-loras at "
                         "--max-lora-rank)", adapters / 2**30)
+        if self.model_runner.pooling is not None and self.cache_config.kv_cache_memory_bytes is None:
+            # A pooling model's cache holds prompts in flight only (pooling/serving_config.py).
+            from vllm_metal.pooling.serving_config import pooling_kv_budget
+
+            specs = self.model_runner.get_kv_cache_spec().values()
+            per_token = sum(spec.page_size_bytes / spec.block_size for spec in specs)
+            budget = min(budget, pooling_kv_budget(self.vllm_config, per_token))
+            logger.info("vllm-metal: a pooling model's KV cache holds prompts in flight: %.1f MiB",
+                        budget / 2**20)
         # vLLM plans one tensor per layer of each cache group, shared across
         # groups; every layer here has arrays of its own (hybrid models).
         ratio = self.model_runner.kv_bytes_ratio()

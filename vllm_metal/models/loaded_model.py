@@ -57,6 +57,9 @@ class LoadedModel:
     transport: object = None
     tp_projections: int = 0  # projections split by tensor parallel (0: none)
     weights_bytes: int = 0  # the weights this rank holds (a pipeline stage: its layers, embedding / head)
+    # A pooling model (loader's pooling=True): the LM head's and a classifier's
+    # tensors, lazy (read only if the pooling head uses them); no LM head is built.
+    head_weights: dict = field(default_factory=dict)
 
     def owns(self, layer: int) -> bool:
         return self.owned is None or layer in self.owned
@@ -132,13 +135,7 @@ class LoadedModel:
         logits). A pipeline stage before the last returns None: its output
         leaves through the transport (evaluate `transport.take_pending()`)."""
         kv.retained = []
-        kv.step = StepAttentionInputs(
-            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
-            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
-            block_tables=[mx.array(t) for t in inputs.block_tables],
-            slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
-            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None))
-            if self.has_linear else None)
+        kv.step = self._step_inputs(inputs)
         try:
             hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
             if not self.last_stage:
@@ -146,6 +143,43 @@ class LoadedModel:
             return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
         finally:
             kv.step = None
+
+    def forward_hidden(self, kv: PagedKVCache, inputs) -> mx.array:
+        """One packed step, as `forward`, to the final hidden states of every
+        scheduled token (lazy float32 [tokens, hidden]): what a pooling
+        model pools."""
+        kv.retained = []
+        kv.step = self._step_inputs(inputs)
+        try:
+            return self.hidden_states(mx.array(inputs.token_ids), kv.layer_views()).astype(mx.float32)
+        finally:
+            kv.step = None
+
+    def head_rows(self, token_ids: list[int]) -> np.ndarray:
+        """Rows of the LM head (the checkpoint's lm_head, else the tied input
+        embedding) for `token_ids`: float32 [len, hidden], dequantized."""
+        w = self.head_weights.get("lm_head.weight")
+        if w is not None:
+            scales = self.head_weights.get("lm_head.scales")
+            if scales is not None:
+                raise NotImplementedError("classifier_from_token on an MLX-quantized LM head")
+            return np.array(w[mx.array(token_ids)].astype(mx.float32))
+        embed = decoder_owner(self.model)["model"].embed_tokens
+        if isinstance(embed, nn.QuantizedEmbedding):
+            ids = mx.array(token_ids)
+            rows = mx.dequantize(embed.weight[ids], embed.scales[ids], embed.biases[ids], embed.group_size,
+                                 embed.bits)
+            return np.array(rows.astype(mx.float32))
+        return np.array(embed.weight[mx.array(token_ids)].astype(mx.float32))
+
+    def _step_inputs(self, inputs) -> StepAttentionInputs:
+        return StepAttentionInputs(
+            positions=mx.array(inputs.positions), seq_lens=mx.array(inputs.seq_lens),
+            cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
+            block_tables=[mx.array(t) for t in inputs.block_tables],
+            slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
+            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None))
+            if self.has_linear else None)
 
     def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
         """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""

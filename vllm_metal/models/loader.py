@@ -42,7 +42,7 @@ def _has_quantized(model: nn.Module) -> bool:
 
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
                materialize: bool = True, fuse: bool = False, norm_rope: bool = False,
-               parallel: ParallelPlan | None = None) -> LoadedModel:
+               parallel: ParallelPlan | None = None, pooling: bool = False) -> LoadedModel:
     """Load `model_dir` (an mlx-lm directory) for the paged path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
@@ -55,7 +55,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     the CPU device wants this). parallel: this rank's share of a
     tensor/pipeline-parallel model; the weights load lazily and only this
     rank's are read (its layers, its shard; the embedding and head on the
-    first and last stages).
+    first and last stages). pooling: a pooling model (`--runner pooling`):
+    the LM head is not built; a classifier's `score.*` tensors and the LM
+    head's are kept, unread until used, as `head_weights` (pooling/heads.py).
     """
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
@@ -64,9 +66,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     path = resolve_model_dir(str(model_dir))
+    head_weights: dict = {}
     check_served(_model_type(path))  # before building anything: one message naming the family
     try:
-        model, config = mlx_lm_load_model(path, lazy=not materialize or parallel is not None)
+        model, config = mlx_lm_load_model(path, lazy=not materialize or parallel is not None,
+                                          **(_pooling_classes(head_weights) if pooling else {}))
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
         raise NotImplementedError(f"mlx-lm cannot build model type "
                                   f"{_model_type(path)!r} from {path / 'config.json'}: "
@@ -139,7 +143,38 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                        layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
                        fused=fused, norm_rope=norm_rope_done, owned=owned if staged else None, last_stage=last,
                        transport=parallel.transport if staged else None, tp_projections=tp_done,
-                       weights_bytes=sum(v.nbytes for _, v in tree_flatten(resident)))
+                       weights_bytes=sum(v.nbytes for _, v in tree_flatten(resident)), head_weights=head_weights)
+
+
+def _pooling_classes(head_weights: dict) -> dict:
+    """mlx-lm's model class for a pooling checkpoint: its sanitize moves the
+    LM head's and a classifier's (`score.*`) tensors into `head_weights`
+    and the model gets no LM head, so everything else still loads strictly.
+    A checkpoint of the bare decoder (no `model.` prefix) gets the prefix."""
+    from mlx_lm.utils import _get_classes
+
+    def classes(config):
+        model_class, args_class = _get_classes(config)
+
+        class PoolingModel(model_class):
+            def sanitize(self, weights):
+                if any(k.startswith(("layers.", "embed_tokens.")) for k in weights):
+                    # saved from the bare decoder (transformers' *Model, as Qwen3-Embedding is)
+                    weights = {k if k.startswith(("lm_head.", "score.")) else "model." + k: v
+                               for k, v in weights.items()}
+                if hasattr(super(), "sanitize"):
+                    weights = super().sanitize(weights)
+                for name in [k for k in weights if k.startswith(("lm_head.", "score."))]:
+                    head_weights[name] = weights.pop(name)
+                if "lm_head" in self:
+                    self.pop("lm_head")
+                return weights
+
+        PoolingModel.__name__ = PoolingModel.__qualname__ = model_class.__name__
+        PoolingModel.__module__ = model_class.__module__
+        return PoolingModel, args_class
+
+    return {"get_model_classes": classes}
 
 
 def _split_stages(model: nn.Module, config: dict, layers: list, layer_kv: list[LayerKV],
