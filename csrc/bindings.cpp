@@ -13,6 +13,7 @@
 #include "rms_norm.h"
 #include "rope.h"
 #include "swiglu.h"
+#include "gelu.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -36,6 +37,7 @@ NB_MODULE(_ext, m) {
       "softcap"_a = nb::none(),
       "sinks"_a = nb::none(),
       "v_head_dim"_a = nb::none(),
+      "causal"_a = true,
       "stream"_a = nb::none(),
       "Lazy paged attention over packed varlen queries (see vllm_metal.native.ops).");
 
@@ -61,6 +63,15 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.native.ops.swiglu).");
+
+  m.def(
+      "gelu",
+      &vllm_metal::gelu,
+      "x"_a,
+      nb::kw_only(),
+      "approximate"_a = false,
+      "stream"_a = nb::none(),
+      "Lazy GELU (erf, or tanh-approximated) on MLX's CPU device (see vllm_metal.native.ops.gelu).");
 
   m.def(
       "rms_norm",

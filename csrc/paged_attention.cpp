@@ -62,6 +62,7 @@ mx::array paged_attention(
     std::optional<float> softcap,
     const std::optional<mx::array>& sinks,
     std::optional<int> v_head_dim,
+    bool causal,
     mx::StreamOrDevice s) {
   check_rank(q, "q", 3, "[num_tokens, num_heads, head_dim]");
   check_rank(key_cache, "key_cache", 4,
@@ -191,7 +192,7 @@ mx::array paged_attention(
   }
 
   PagedAttentionParams params{
-      scale, sliding_window.value_or(0), softcap.value_or(0.0f), v_dim};
+      scale, sliding_window.value_or(0), softcap.value_or(0.0f), v_dim, causal ? 1 : 0};
   return mx::array(
       {q.shape(0), num_heads, v_dim},
       dt,

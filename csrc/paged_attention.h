@@ -5,7 +5,10 @@
 // the query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1; its j-th new token sits
 // at absolute position seq_lens[s] - n_s + j and attends causally to every
 // cached and new position <= its own (optionally only the last sliding_window
-// positions). Softmax is accumulated in float32 whatever the storage dtype.
+// positions). With causal = false (encoders) it attends to every position of
+// its sequence, below seq_lens[s] (optionally only those less than
+// sliding_window away on either side). Softmax is accumulated in float32
+// whatever the storage dtype.
 //
 // Optional: attention sinks (one extra logit per query head in the softmax
 // denominator that contributes no value, as mx.fast.scaled_dot_product_attention
@@ -33,6 +36,7 @@ struct PagedAttentionParams {
   int sliding_window;
   float softcap;
   int v_head_dim;  // values per row read from value_cache (its first ones)
+  int causal;      // 1: keys up to the row's own position; 0: the whole sequence
 
   bool operator==(const PagedAttentionParams&) const = default;
 };
@@ -64,6 +68,7 @@ mx::array paged_attention(
     std::optional<float> softcap,
     const std::optional<mx::array>& sinks = std::nullopt,
     std::optional<int> v_head_dim = std::nullopt,
+    bool causal = true,
     mx::StreamOrDevice s = {});
 
 // Invariant for every eval_* below: no encoder.add_temporary(). A temporary

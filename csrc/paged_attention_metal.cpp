@@ -62,6 +62,7 @@ PagedAttentionArgs make_args(const std::vector<mx::array>& inputs,
   args.scale = params.scale;
   args.sliding_window = params.sliding_window;
   args.softcap = params.softcap;
+  args.causal = params.causal;
   args.has_sinks = PagedAttention::has_sinks(inputs) ? 1 : 0;
   args.sinks_stride = args.has_sinks ? inputs[PagedAttention::kSinksInput].strides(0) : 0;
   return args;

@@ -24,7 +24,9 @@ namespace vllm_metal {
 struct TokenPlace {
   int seq;
   int pos;         // absolute position of the token in its sequence
-  int key_lo;      // first visible key: the token sees keys key_lo..pos
+  int key_lo;      // first visible key: the token sees keys key_lo..key_hi - 1
+  int key_hi;      // one past its last visible key (pos + 1 when causal)
+  int len;         // its sequence's length (seq_lens)
   int new_tokens;  // query rows of its sequence in this batch
   bool valid;
 };
@@ -37,12 +39,21 @@ inline int visible_from(constant PagedAttentionArgs& args, int pos) {
   return args.sliding_window > 0 ? max(0, pos - args.sliding_window + 1) : 0;
 }
 
+// One past the last key a row at `pos` sees: its own position (causal), else
+// its sequence's end `len` or the window's far side.
+inline int visible_to(constant PagedAttentionArgs& args, int len, int pos) {
+  if (args.causal != 0) {
+    return pos + 1;
+  }
+  return args.sliding_window > 0 ? min(len, pos + args.sliding_window) : len;
+}
+
 inline TokenPlace locate_token(
     constant PagedAttentionArgs& args,
     const device int* seq_lens,
     const device int* cu_seqlens_q,
     int t) {
-  TokenPlace place = {0, 0, 0, 0, false};
+  TokenPlace place = {0, 0, 0, 0, 0, 0, false};
   if (args.num_seqs <= 0) {
     return place;
   }
@@ -73,6 +84,8 @@ inline TokenPlace locate_token(
   place.seq = lo;
   place.pos = len - (end - begin) + (t - begin);
   place.key_lo = visible_from(args, place.pos);
+  place.key_hi = visible_to(args, len, place.pos);
+  place.len = len;
   place.new_tokens = end - begin;
   place.valid = true;
   return place;

@@ -70,7 +70,7 @@ template <typename T, int DPL_K, int DPL_V, int HG>
 
   // Visible keys of this token, cut to this partition's absolute positions.
   int64_t key_lo = place.key_lo;
-  int64_t key_hi = place.valid ? int64_t(place.pos) + 1 : 0;
+  int64_t key_hi = place.valid ? int64_t(place.key_hi) : 0;
   if (args.num_partitions > 1) {
     const int64_t part_lo = int64_t(part) * args.partition_size;
     const int64_t part_hi = part_lo + args.partition_size;

@@ -65,9 +65,11 @@ struct PagedAttentionArgs {
   // (decode_heads: the most, 1 for the per-head kernel).
   int decode_heads;
   int decode_chunks;
+  int causal;    // 1: keys up to the row's position; 0: the whole sequence (encoders)
+  int reserved;  // keeps the struct free of padding
 };
 
-static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 18 * 4,
+static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 20 * 4,
               "PagedAttentionArgs must have no padding (host/MSL layout)");
 
 } // namespace vllm_metal

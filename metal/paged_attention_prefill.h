@@ -90,9 +90,9 @@ template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT>
       continue;
     }
     // Positions grow by one per token, so the segment sees keys from its
-    // first token's window start up to its last token's position.
+    // first token's window start up to its last token's last visible key.
     const int key_lo = first.key_lo;
-    const int key_hi = first.pos + (seg_end - t);
+    const int key_hi = visible_to(args, first.len, first.pos + (seg_end - t) - 1);
 
     for (int kb = key_lo; kb < key_hi; kb += KT) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // last tile consumed
@@ -136,7 +136,7 @@ template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT>
         }
         const int pos = first.pos + (tr - t);
         const int lo = max(kb, visible_from(args, pos));
-        const int hi = min(kb + KT, pos + 1);
+        const int hi = min(kb + KT, visible_to(args, first.len, pos));
         for (int key = lo; key < hi; ++key) {
           const int j = key - kb;
           if (tile_blocks[j] < 0) {

@@ -12,11 +12,13 @@ import numpy as np
 
 
 def paged_attention_f64(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                        scale, sliding_window=None, softcap=None, sinks=None, v_head_dim=None):
+                        scale, sliding_window=None, softcap=None, sinks=None, v_head_dim=None,
+                        causal=True):
     """Straight-from-the-definition paged attention in float64, one token at a time.
 
     sinks[h]: one more logit in head h's softmax denominator, with no value.
     v_head_dim: the values are the first v_head_dim entries of each value row.
+    causal=False: every key of the sequence (within sliding_window on either side).
     """
     q = np.asarray(q, np.float64)
     kc = np.asarray(key_cache, np.float64)
@@ -35,9 +37,11 @@ def paged_attention_f64(q, key_cache, value_cache, block_tables, seq_lens, cu_se
         values = vc[blocks, positions % block_size]
         for j in range(n):
             pos = ctx - n + j
-            visible = positions <= pos
+            visible = positions <= pos if causal else np.ones(ctx, bool)
             if sliding_window is not None:
                 visible &= positions > pos - sliding_window
+                if not causal:
+                    visible &= positions < pos + sliding_window
             for h in range(num_heads):
                 kvh = h // group
                 scores = keys[:, kvh] @ q[lo_tok + j, h] * scale

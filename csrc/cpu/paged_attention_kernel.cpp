@@ -124,6 +124,14 @@ class CpuPagedAttention {
     return p_.sliding_window > 0 ? std::max(0, pos - p_.sliding_window + 1) : 0;
   }
 
+  // One past the last key a row at `pos` of sequence `seq` sees: its own
+  // position (causal), else the sequence's end or the window's far side.
+  int row_hi(int seq, int pos) const {
+    if (p_.causal) return pos + 1;
+    const int len = seq_lens_[seq];
+    return p_.sliding_window > 0 ? std::min(len, pos + p_.sliding_window) : len;
+  }
+
   // Builds the unit list: each sequence's tokens in tiles of its shape
   // class's rows. Partitions of a tile run in one unit (merged in place)
   // unless there are too few units to occupy the cores, as in long-context
@@ -143,7 +151,7 @@ class CpuPagedAttention {
       for (int tb = 0; tb < n; tb += tile_tokens) {
         int te = std::min(n, tb + tile_tokens);
         int lo = row_lo(row_pos(s, tb));
-        int hi = row_pos(s, te - 1);  // inclusive
+        int hi = row_hi(s, row_pos(s, te - 1)) - 1;  // inclusive
         tiles.push_back({s, tb, te, lo / kPartition, hi / kPartition + 1});
       }
     }
@@ -271,7 +279,7 @@ class CpuPagedAttention {
     const int first_pos = row_pos(u.seq, u.tok_begin);
     const int last_pos = row_pos(u.seq, u.tok_end - 1);
     const int key_lo = std::max(part * kPartition, row_lo(first_pos));
-    const int key_hi = std::min((part + 1) * kPartition, last_pos + 1);  // exclusive
+    const int key_hi = std::min((part + 1) * kPartition, row_hi(u.seq, last_pos));  // exclusive
     if (key_lo >= key_hi) {
       return;
     }
@@ -286,7 +294,7 @@ class CpuPagedAttention {
       // Rows that see none of these keys (the first rows of a causal tile
       // against its last block, rows whose window ended) are not scored.
       int r_first = 0;
-      while (r_first < rows && first_pos + r_first / g_.group < p0) ++r_first;
+      while (r_first < rows && row_hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
       int r_end = rows;
       while (r_end > r_first && row_lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
       if (r_first >= r_end) {
@@ -297,7 +305,7 @@ class CpuPagedAttention {
 
       for (int r = r_first; r < r_end; ++r) {
         const int pos = first_pos + r / g_.group;
-        const int lo = std::max(p0, row_lo(pos)) - p0, hi = std::min(p1, pos + 1) - p0;
+        const int lo = std::max(p0, row_lo(pos)) - p0, hi = std::min(p1, row_hi(u.seq, pos)) - p0;
         if (lo >= hi) {
           continue;
         }

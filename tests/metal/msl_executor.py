@@ -58,7 +58,7 @@ class Executor:
         self.lib.vm_paged_attention.argtypes = [
             c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.POINTER(c.c_int64),
             c.POINTER(c.c_void_p), c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_float,
-            c.c_int, c.c_float, c.c_int, c.POINTER(c.c_int), c.c_int, c.c_uint64, c.c_int,
+            c.c_int, c.c_float, c.c_int, c.c_int, c.POINTER(c.c_int), c.c_int, c.c_uint64, c.c_int,
             c.c_int, c.c_void_p, c.POINTER(c.c_int64), c.c_char_p, c.c_uint64, c.c_char_p,
             c.c_uint64]
         self.lib.vm_paged_attention_plan.argtypes = [
@@ -112,7 +112,7 @@ class Executor:
     def paged_attention(self, dtype: str, q, key_cache, value_cache, block_tables, seq_lens,
                         cu_seqlens_q, *, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None, sinks: np.ndarray | None = None,
-                        v_head_dim: int | None = None, partition_size: int = 0,
+                        v_head_dim: int | None = None, causal: bool = True, partition_size: int = 0,
                         decode_heads: int = 0, decode_simdgroups: int = 0, seed: int = 0,
                         at_start: bool = False,
                         kernels: tuple[str, ...] = ("decode", "prefill"),
@@ -151,7 +151,7 @@ class Executor:
             (c.c_void_p * 7)(*[b.ctypes.data for b, _, _ in views]),
             (c.c_uint64 * 7)(*[b.nbytes for b, _, _ in views]),
             (c.c_int64 * 7)(*[o for _, o, _ in views]), scale, sliding_window or 0,
-            softcap or 0.0, int(has_sinks),
+            softcap or 0.0, int(has_sinks), int(causal),
             (c.c_int * 3)(partition_size, decode_heads, decode_simdgroups), int(at_start), seed,
             self.workers, int("decode" in kernels) | 2 * int("prefill" in kernels),
             out.ctypes.data, info, name, len(name), err, len(err))

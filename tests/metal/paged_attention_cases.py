@@ -70,10 +70,13 @@ class Case:
     sinks: np.ndarray | None = None   # float32 [num_heads]
     v_head_dim: int | None = None
     shared_kv: bool = False           # value_cache is key_cache (latent attention)
+    causal: bool = True               # False: every key of the sequence (encoders)
 
     def kwargs(self) -> dict:
         """Keyword arguments for ops.paged_attention and the executor alike."""
         kw = dict(scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap)
+        if not self.causal:
+            kw["causal"] = False
         if self.sinks is not None:
             kw["sinks"] = self.sinks
         if self.v_head_dim is not None:
@@ -110,7 +113,7 @@ def make_case(rng: np.random.Generator, *, dtype: str, head_dim: int, group: int
               block_size: int, kind: str, num_kv_heads: int = 2,
               sliding_window: int | None = None, softcap: float | None = None,
               sinks: bool = False, v_head_dim: int | None = None,
-              shared_kv: bool = False) -> Case:
+              shared_kv: bool = False, causal: bool = True) -> Case:
     """sinks: draw one per head (one dominant, one -inf where there are 3+
     heads). v_head_dim: the values' size; with shared_kv the values are the
     first v_head_dim entries of the key rows (one cache, as in MLA), else a
@@ -158,6 +161,7 @@ def make_case(rng: np.random.Generator, *, dtype: str, head_dim: int, group: int
         sinks=sink_values,
         v_head_dim=v_head_dim,
         shared_kv=shared_kv,
+        causal=causal,
     )
 
 
@@ -184,7 +188,7 @@ def numpy_reference(case: Case) -> np.ndarray:
     return paged_attention_f64(
         case.q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
         case.cu_seqlens_q, case.scale, sliding_window=case.sliding_window,
-        softcap=case.softcap, sinks=case.sinks, v_head_dim=case.v_head_dim)
+        softcap=case.softcap, sinks=case.sinks, v_head_dim=case.v_head_dim, causal=case.causal)
 
 
 def assert_close(out: np.ndarray, ref: np.ndarray, dtype: str, what: str = "") -> None:

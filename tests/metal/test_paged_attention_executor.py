@@ -3,6 +3,7 @@ eval_gpu dispatches them, against the CPU primitive."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -64,6 +65,24 @@ def test_sliding_window_and_softcap(executor, rng, dtype, kind, sliding_window, 
                      kind=kind, sliding_window=sliding_window, softcap=softcap)
     out, info = run(executor, case)
     assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
+
+
+@pytest.mark.parametrize("sliding_window,sinks", [(None, False), (5, False), (40, True)])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_causal(executor, rng, dtype, kind, sliding_window, sinks):
+    """causal=False (encoders): every row sees its whole sequence (within the
+    window on both sides), on the decode and prefill kernels alike: against
+    the CPU primitive and the float64 definition, and unlike causal."""
+    case = make_case(rng, dtype=dtype, head_dim=int(rng.choice([64, 128])), group=int(rng.choice([1, 4])),
+                     block_size=int(rng.choice([8, 16])), kind=kind, sliding_window=sliding_window,
+                     sinks=sinks, causal=False)
+    out, info = run(executor, case)
+    assert_close(out, cpu_reference(case), dtype, f"non-causal {kind} {info}")
+    assert_close(out, numpy_reference(case), dtype, f"non-causal {kind} vs float64")
+    if (np.diff(case.cu_seqlens_q) > 1).any():  # rows with keys after their own position
+        causal_out, _ = run(executor, dataclasses.replace(case, causal=True))
+        assert np.abs(causal_out - out).max() > 1e-3
 
 
 @pytest.mark.parametrize("sliding_window", [None, 40])

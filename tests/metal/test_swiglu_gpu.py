@@ -30,3 +30,16 @@ def test_the_primitive_refuses_a_gpu_stream():
     g = mx.ones((2, 3))
     with pytest.raises(RuntimeError, match="vllm_metal.native.ops.swiglu"):
         mx.eval(ops._ext.swiglu(g, g, stream=mx.gpu))
+
+
+def test_gpu_gelu_matches_the_cpu_primitive():
+    """ops.gelu on the GPU is MLX's own nn.gelu / gelu_approx; the GELU
+    primitive is CPU-only and refuses a GPU stream naming the op."""
+    rng = np.random.default_rng(1)
+    x = mx.array((rng.standard_normal((5, 3072)) * 3).astype(np.float32))
+    for approximate in (False, True):
+        gpu = np.array(ops.gelu(x, approximate=approximate, stream=mx.gpu))
+        np.testing.assert_allclose(gpu, np.array(ops.gelu(x, approximate=approximate, stream=mx.cpu)),
+                                   rtol=2e-6, atol=2e-6)
+    with pytest.raises(RuntimeError, match="vllm_metal.native.ops.gelu"):
+        mx.eval(ops._ext.gelu(x, stream=mx.gpu))

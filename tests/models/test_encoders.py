@@ -55,6 +55,14 @@ def test_served_types_agree():
     assert tuple(sorted(ENCODERS)) == ENCODER_TYPES
 
 
+def test_docs_table_is_generated():
+    from vllm_metal.models.encoders import markdown_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    block = text.split("<!-- pooling-models:begin (generated) -->")[1].split("<!-- pooling-models:end -->")[0]
+    assert block.strip() == markdown_table(), "regenerate: python -m vllm_metal.models.encoders"
+
+
 def _reference(model, ids, types=None):
     kwargs = {"token_type_ids": torch.tensor([types])} if types is not None else {}
     with torch.no_grad():

@@ -167,3 +167,34 @@ def test_is_lazy(rng):
 
 def test_native_path_on_cpu():
     assert ops.attention_path(mx.cpu)[0] == "cpu"
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_causal(rng, dtype, window):
+    """causal=False (encoders): every query row sees all keys of its sequence
+    (within `window` on both sides) -- whole prompts, a chunk whose keys come
+    before and after it, and one long enough to split into key partitions --
+    against the float64 definition and the plain-MLX reference; the causal
+    result differs wherever a row has keys after it."""
+    new, ctx = [5, 17, 40, 530, 3], [5, 17, 60, 530, 9]
+    b = make_batch(rng, new_tokens=new, context_lens=ctx, num_heads=8, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype=np.float32)
+    q, kc, vc = (to_mx(x, dtype) for x in (b.q, b.key_cache, b.value_cache))
+    args = (q, kc, vc, mx.array(b.block_tables), mx.array(b.seq_lens), mx.array(b.cu_seqlens_q))
+    out = ops.paged_attention(*args, scale=b.scale, sliding_window=window, causal=False)
+    ref = ops.paged_attention_reference(*args, scale=b.scale, sliding_window=window, causal=False)
+    expected = paged_attention_f64(to_np(q), to_np(kc), to_np(vc), b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                                   b.scale, window, causal=False)
+    atol, rtol = TOLERANCE[dtype]
+    np.testing.assert_allclose(to_np(out), expected, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(to_np(ref), expected, atol=atol, rtol=rtol)
+    causal = paged_attention_f64(to_np(q), to_np(kc), to_np(vc), b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                                 b.scale, window)
+    if window != 1:  # a window of 1 sees only the row itself either way
+        assert np.abs(causal - expected).max() > 1e-2
+    # batch invariance holds without the causal mask too: one sequence alone, the same bits
+    alone = ops.paged_attention(q[22:62], kc, vc, mx.array(b.block_tables[2:3]), mx.array(b.seq_lens[2:3]),
+                                mx.array([0, 40], dtype=mx.int32), scale=b.scale, sliding_window=window,
+                                causal=False)
+    assert np.array_equal(to_np(alone), to_np(out)[22:62])

@@ -3,12 +3,12 @@ in MLX, over one packed step of whole prompts.
 
 Bidirectional attention, no KV cache: an encoder sees a prompt in one step
 (vLLM turns chunked prefill and prefix caching off for encoder-only
-models). The projections and MLPs run on the packed tokens (no padding
-wasted on matmuls); attention alone gathers the rows into a padded
-[sequences, longest, heads, head_dim] batch for MLX's fused scaled-dot-
-product attention with a key mask, and scatters the result back
-(docs/pooling.md: why this dense path and not a non-causal paged mode).
-The query/key/value projections are fused into one matmul at load.
+models). Everything runs on the packed tokens (no padding); attention is
+the paged-attention primitive in its non-causal mode over the step's own
+K/V laid out as blocks (`EncoderBatch`: a reshape when prompts fill whole
+blocks), one primitive with a CPU and a Metal kernel (docs/pooling.md:
+measured against a dense MLX path). The query/key/value projections are
+fused into one matmul at load.
 
 Weight names are Hugging Face's (`embeddings.word_embeddings`,
 `encoder.layer.N.attention.self.query`, ...); models/encoders.py loads them.
@@ -16,16 +16,18 @@ Weight names are Hugging Face's (`embeddings.word_embeddings`,
 
 from __future__ import annotations
 
-from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
+from vllm_metal.native import ops  # (fast BLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
+# GELU through vllm-metal's primitive (MLX's CPU erf / tanh run one element
+# at a time; on the GPU ops.gelu is MLX's own).
 ACTIVATIONS = {
-    "gelu": lambda x: nn.gelu(x),
-    "gelu_new": lambda x: nn.gelu_approx(x),
-    "gelu_pytorch_tanh": lambda x: nn.gelu_approx(x),
+    "gelu": lambda x: ops.gelu(x),
+    "gelu_new": lambda x: ops.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: ops.gelu(x, approximate=True),
     "gelu_fast": lambda x: nn.gelu_fast_approx(x),
     "relu": lambda x: nn.relu(x),
     "silu": lambda x: nn.silu(x),
@@ -38,46 +40,50 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
-class PaddedBatch:
-    """Where a packed step's tokens sit in a padded [sequences, longest]
-    batch: `index` [sequences * longest] gathers packed rows (the row past
-    the last token, a zero row, fills the padding), `valid` [tokens]
-    gathers them back, `mask` [sequences, 1, 1, longest] marks real keys.
-    None of it when every sequence has the same length (a plain reshape)."""
+class EncoderBatch:
+    """A packed step of whole prompts laid out for the paged-attention
+    primitive: each prompt's keys in consecutive 16-token blocks (block
+    table, lengths, cu_seqlens). When every prompt's length is a multiple of
+    16 the packed K/V rows already are that layout (a reshape, no copy);
+    otherwise `index` gathers each block slot's row (the zero row past the
+    last token fills a prompt's partial last block)."""
+
+    BLOCK = 16
 
     def __init__(self, cu_seqlens: np.ndarray):
         lens = np.diff(cu_seqlens).astype(np.int64)
-        self.num_seqs, self.longest, self.num_tokens = len(lens), int(lens.max()), int(cu_seqlens[-1])
-        self.uniform = bool((lens == self.longest).all())
-        if self.uniform:
-            self.index = self.valid = self.mask = None
-            return
-        j = np.arange(self.longest)[None, :]
-        real = j < lens[:, None]
-        index = np.where(real, cu_seqlens[:-1, None] + j, self.num_tokens)
-        self.index = mx.array(index.reshape(-1).astype(np.int32))
-        self.valid = mx.array(np.flatnonzero(real.reshape(-1)).astype(np.int32))
-        self.mask = mx.array(real[:, None, None, :])
+        self.num_seqs, self.num_tokens = len(lens), int(cu_seqlens[-1])
+        blocks = (lens + self.BLOCK - 1) // self.BLOCK
+        first = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+        self.num_blocks = int(blocks.sum())
+        table = first[:, None] + np.arange(max(int(blocks.max()), 1))[None, :]
+        self.block_tables = mx.array(np.where(table < (first + blocks)[:, None], table, 0).astype(np.int32))
+        self.seq_lens = mx.array(lens.astype(np.int32))
+        self.cu_seqlens = mx.array(np.asarray(cu_seqlens, np.int32))
+        self.index = None
+        if (lens % self.BLOCK).any():
+            rows = np.repeat(np.arange(self.num_seqs), lens)
+            pos = np.arange(self.num_tokens) - np.repeat(cu_seqlens[:-1], lens)
+            index = np.full(self.num_blocks * self.BLOCK, self.num_tokens, np.int32)
+            index[first[rows] * self.BLOCK + pos] = np.arange(self.num_tokens)
+            self.index = mx.array(index)
 
-    def pad(self, x: mx.array) -> mx.array:
-        """[tokens, ...] -> [sequences, longest, ...]"""
-        if not self.uniform:
+    def cache(self, x: mx.array) -> mx.array:
+        """Packed [tokens, heads, dim] rows -> [blocks, 16, heads, dim]."""
+        if self.index is not None:
             x = mx.concatenate([x, mx.zeros((1, *x.shape[1:]), dtype=x.dtype)])[self.index]
-        return x.reshape(self.num_seqs, self.longest, *x.shape[1:])
-
-    def unpad(self, x: mx.array) -> mx.array:
-        """[sequences, longest, ...] -> [tokens, ...]"""
-        x = x.reshape(self.num_seqs * self.longest, *x.shape[2:])
-        return x if self.uniform else x[self.valid]
+        return x.reshape(self.num_blocks, self.BLOCK, *x.shape[1:])
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, batch: PaddedBatch, scale: float) -> mx.array:
+def attention(q: mx.array, k: mx.array, v: mx.array, batch: EncoderBatch, scale: float,
+              window: int | None = None) -> mx.array:
     """Bidirectional attention of packed [tokens, heads, head_dim] rows
-    within each sequence. Returns packed [tokens, heads * head_dim]."""
-    q, k, v = (batch.pad(t).transpose(0, 2, 1, 3) for t in (q, k, v))  # [seqs, heads, longest, dim]
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=batch.mask)
-    out = out.transpose(0, 2, 1, 3)
-    return batch.unpad(out.reshape(*out.shape[:2], -1))
+    within each prompt (keys less than `window` positions away, when given),
+    through the paged-attention primitive's non-causal mode. Returns packed
+    [tokens, heads * head_dim]."""
+    out = ops.paged_attention(q, batch.cache(k), batch.cache(v), batch.block_tables, batch.seq_lens,
+                              batch.cu_seqlens, scale=scale, sliding_window=window, causal=False)
+    return out.reshape(out.shape[0], -1)
 
 
 class BertLayer(nn.Module):
@@ -92,7 +98,7 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
         self.act = act
 
-    def __call__(self, h: mx.array, batch: PaddedBatch) -> mx.array:
+    def __call__(self, h: mx.array, batch: EncoderBatch) -> mx.array:
         t = h.shape[0]
         q, k, v = mx.split(self.qkv(h).reshape(t, 3, self.heads, self.head_dim), 3, axis=1)
         a = attention(q[:, 0], k[:, 0], v[:, 0], batch, self.head_dim ** -0.5)
@@ -118,7 +124,7 @@ class BertEncoder(nn.Module):
                        for _ in range(config["num_hidden_layers"])]
 
     def __call__(self, token_ids: mx.array, positions: mx.array, token_type_ids: mx.array | None,
-                 batch: PaddedBatch) -> mx.array:
+                 batch: EncoderBatch) -> mx.array:
         h = self.word_embeddings(token_ids) + self.position_embeddings(positions + self.position_offset)
         types = token_type_ids if token_type_ids is not None else mx.zeros_like(token_ids)
         h = self.embed_norm(h + self.token_type_embeddings(types))

@@ -20,7 +20,7 @@ from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from vllm_metal.models.bert import BertEncoder, PaddedBatch, bert_weights  # noqa: E402
+from vllm_metal.models.bert import BertEncoder, EncoderBatch, bert_weights  # noqa: E402
 from vllm_metal.models.modernbert import ModernBertEncoder, modernbert_weights  # noqa: E402
 
 
@@ -29,17 +29,36 @@ class EncoderFamily:
     notes: str
     prefixes: tuple[str, ...]  # the encoder's name prefix in *For... checkpoints
     position_offset: str | None = None  # config field whose value + 1 starts the positions (RoBERTa)
+    architectures: tuple[str, ...] = ()  # (embedding model, sequence classifier) as checkpoints name them
 
 
 ENCODERS: dict[str, EncoderFamily] = {
     "bert": EncoderFamily("absolute positions, token types (cross-encoder pairs), post-norm layers",
-                          ("bert.",)),
-    "roberta": EncoderFamily("positions start after the pad id", ("roberta.",), position_offset="pad_token_id"),
+                          ("bert.",), architectures=("BertModel", "BertForSequenceClassification")),
+    "roberta": EncoderFamily("positions start after the pad id", ("roberta.",), position_offset="pad_token_id",
+                             architectures=("RobertaModel", "RobertaForSequenceClassification")),
     "xlm-roberta": EncoderFamily("RoBERTa's layout (BGE-M3's dense vectors)", ("roberta.",),
-                                 position_offset="pad_token_id"),
+                                 position_offset="pad_token_id",
+                                 architectures=("XLMRobertaModel", "XLMRobertaForSequenceClassification")),
     "modernbert": EncoderFamily("pre-norm, RoPE with global and local bases, local layers in a +-window, GeGLU",
-                                ("model.",)),
+                                ("model.",), architectures=("ModernBertModel", "ModernBertForSequenceClassification")),
 }
+
+
+def markdown_table() -> str:
+    """docs/models.md's pooling table (regenerate: python -m vllm_metal.models.encoders)."""
+    lines = ["| model_type | architectures | attention | served as | what its tests exercise |",
+             "|---|---|---|---|---|"]
+    for name in sorted(ENCODERS):
+        f = ENCODERS[name]
+        lines.append(f"| `{name}` | {', '.join(f'`{a}`' for a in f.architectures)} | bidirectional, no KV cache "
+                     f"| embedder, classifier / cross-encoder | {f.notes} |")
+    lines.append("| every decoder family above | `*ForCausalLM` with `--convert embed` / `--convert classify`, "
+                 "`*ForSequenceClassification`, the bare decoder (`*Model` weights, as Qwen3-Embedding ships) "
+                 "| causal, paged KV cache for prompts in flight | embedder (last-token pooling), classifier, "
+                 "reranker (`classifier_from_token`) | each family's last-token vectors vs mlx-lm's forward, "
+                 "in 16-token chunks |")
+    return "\n".join(lines)
 
 
 def is_encoder(model_type: str | None) -> bool:
@@ -79,7 +98,7 @@ class EncoderModel:
         types = None
         if token_type_ids is not None and self.module.type_vocab_size > 1:
             types = mx.array(token_type_ids.astype(np.int32))
-        h = self.module(mx.array(token_ids), mx.array(positions.astype(np.int32)), types, PaddedBatch(cu_seqlens))
+        h = self.module(mx.array(token_ids), mx.array(positions.astype(np.int32)), types, EncoderBatch(cu_seqlens))
         return h.astype(mx.float32)
 
 
@@ -131,3 +150,7 @@ def load_encoder(model_dir: str | Path, dtype: mx.Dtype = mx.float32) -> Encoder
     nbytes = sum(v.nbytes for v in weights.values())
     return EncoderModel(module=module, config=config, dtype=dtype, model_type=model_type,
                         weights_bytes=nbytes, head_weights=head)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,9 +1,9 @@
 """ModernBERT in MLX over one packed step of whole prompts: pre-norm layers,
 RoPE (one base for global layers, another for local ones), local layers
 attending within +-local_attention/2 tokens, GeGLU MLPs, bias-free
-LayerNorms by default. Attention runs as in models/bert.py (packed
-projections, padded only for MLX's fused attention, a key mask; the local
-layers' window joins the mask).
+LayerNorms by default. Attention runs as in models/bert.py (the
+paged-attention primitive, non-causal; a local layer's window is its
+sliding window: keys at most local_attention/2 away on either side).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from vllm_metal.models.bert import PaddedBatch, activation  # noqa: E402
+from vllm_metal.models.bert import EncoderBatch, activation, attention  # noqa: E402
 
 
 def _layer_types(config: dict) -> list[str]:
@@ -60,20 +60,16 @@ class ModernBertLayer(nn.Module):
         self.Wo_mlp = nn.Linear(config["intermediate_size"], hidden, bias=config.get("mlp_bias", False))
         self.act = activation(config.get("hidden_activation", "gelu"))
         self.base = _rope_base(config, layer_type)
-        self.window = config.get("local_attention", 128) // 2 if layer_type == "sliding_attention" else None
+        # keys less than `window` away: |i - j| <= local_attention / 2
+        self.window = config.get("local_attention", 128) // 2 + 1 if layer_type == "sliding_attention" else None
 
-    def __call__(self, h: mx.array, positions: mx.array, batch: PaddedBatch, near: mx.array | None) -> mx.array:
+    def __call__(self, h: mx.array, positions: mx.array, batch: EncoderBatch) -> mx.array:
         t = h.shape[0]
         x = self.attn_norm(h) if self.attn_norm is not None else h
         qkv = self.Wqkv(x).reshape(t, 3, self.heads, self.head_dim)
         q, k = (rope(qkv[:, i], positions, self.base) for i in (0, 1))
-        q, k, v = (batch.pad(a).transpose(0, 2, 1, 3) for a in (q, k, qkv[:, 2]))
-        mask = batch.mask
-        if self.window is not None:
-            mask = near if mask is None else mx.logical_and(mask, near)
-        a = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5, mask=mask)
-        a = a.transpose(0, 2, 1, 3)
-        h = h + self.Wo(batch.unpad(a.reshape(*a.shape[:2], -1)))
+        a = attention(q, k, qkv[:, 2], batch, self.head_dim ** -0.5, self.window)
+        h = h + self.Wo(a)
         up, gate = mx.split(self.Wi(self.mlp_norm(h)), 2, axis=-1)
         return h + self.Wo_mlp(self.act(up) * gate)
 
@@ -89,15 +85,11 @@ class ModernBertEncoder(nn.Module):
         self.embed_norm = nn.LayerNorm(hidden, eps=eps, bias=bias)
         self.layers = [ModernBertLayer(config, i, t) for i, t in enumerate(_layer_types(config))]
         self.final_norm = nn.LayerNorm(hidden, eps=eps, bias=bias)
-        self.window = config.get("local_attention", 128) // 2
 
-    def __call__(self, token_ids: mx.array, positions: mx.array, token_type_ids, batch: PaddedBatch) -> mx.array:
+    def __call__(self, token_ids: mx.array, positions: mx.array, token_type_ids, batch: EncoderBatch) -> mx.array:
         h = self.embed_norm(self.tok_embeddings(token_ids))
-        # keys within the local window of each query, in the padded layout (positions = column index)
-        col = mx.arange(batch.longest)
-        near = (mx.abs(col[:, None] - col[None, :]) <= self.window)[None, None]
         for layer in self.layers:
-            h = layer(h, positions, batch, near)
+            h = layer(h, positions, batch)
         return self.final_norm(h)
 
 

@@ -55,6 +55,23 @@ def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
     return _ext.swiglu(gate, up, stream=stream)
 
 
+def gelu(x: mx.array, *, approximate: bool = False, stream=None) -> mx.array:
+    """GELU, lazy, in x's dtype: 0.5 x (1 + erf(x / sqrt(2))), or with
+    approximate the tanh form (transformers' "gelu_pytorch_tanh" / "gelu_new").
+
+    On MLX's CPU device this is vllm-metal's GELU primitive (16-lane vectors;
+    MLX's own CPU erf / tanh run through libm one element at a time); on the
+    GPU it is MLX's own (already vectorised) nn.gelu / nn.gelu_approx.
+    """
+    _check_array(x, "x")
+    if _device_of(stream).type != mx.DeviceType.cpu:
+        import mlx.nn as nn
+
+        with mx.stream(stream if stream is not None else mx.default_device()):
+            return nn.gelu_approx(x) if approximate else nn.gelu(x)
+    return _ext.gelu(x, approximate=bool(approximate), stream=stream)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float, *, stream=None) -> mx.array:
     """x / sqrt(mean(x^2, last axis) + eps) * weight, lazy, in x's dtype.
 

@@ -43,10 +43,10 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.native.elementwise import (  # noqa: E402,F401  (re-exported: ops.swiglu etc.)
     GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array, _device_of,
-    gated_delta, gated_delta_path, rms_norm, rope, rope_composed, swiglu)
+    gated_delta, gated_delta_path, gelu, rms_norm, rope, rope_composed, swiglu)
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path",
-           "gated_delta", "gated_delta_path", "swiglu", "rms_norm", "rope", "SlotMapping"]
+           "gated_delta", "gated_delta_path", "swiglu", "gelu", "rms_norm", "rope", "SlotMapping"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
 
@@ -132,8 +132,12 @@ def _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, *,
                     scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks=None, v_head_dim: int | None = None,
-                    stream=None) -> mx.array:
+                    causal: bool = True, stream=None) -> mx.array:
     """Lazy varlen paged attention; returns [num_tokens, num_heads, v_head_dim] in q's dtype.
+
+    causal=False (encoders): every query row sees all seq_lens[s] keys of its
+    sequence (with sliding_window: those less than sliding_window positions
+    away on either side) instead of the keys up to its own position.
 
     sinks: optional float [num_heads]; query head h gets one extra logit
     sinks[h] in its softmax denominator that contributes no value (not scaled,
@@ -150,16 +154,16 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlen
     if attention_path(stream)[0] == "reference":
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window,
                                          softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                         stream=stream)
+                                         causal=causal, stream=stream)
     return _ext.paged_attention(*args, scale=_as_scale(scale), sliding_window=sliding_window,
                                 softcap=softcap, sinks=_as_sinks(sinks),
-                                v_head_dim=_as_v_head_dim(v_head_dim), stream=stream)
+                                v_head_dim=_as_v_head_dim(v_head_dim), causal=bool(causal), stream=stream)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                               *, scale: float, sliding_window: int | None = None,
                               softcap: float | None = None, sinks=None,
-                              v_head_dim: int | None = None, stream=None) -> mx.array:
+                              v_head_dim: int | None = None, causal: bool = True, stream=None) -> mx.array:
     """The same attention from plain MLX ops, on any device; a test oracle.
 
     Gathers every token's whole block table, so it costs memory proportional to
@@ -172,7 +176,7 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
     # Same static validation as the primitive (building the lazy node is free).
     _ext.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                          scale=_as_scale(scale), sliding_window=sliding_window, softcap=softcap,
-                         sinks=sinks, v_head_dim=v_head_dim, stream=stream)
+                         sinks=sinks, v_head_dim=v_head_dim, causal=bool(causal), stream=stream)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -198,7 +202,12 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         if softcap is not None:
             scores = softcap * mx.tanh(scores / softcap)
         key_pos = mx.arange(context, dtype=mx.int32)[None, :]
-        visible = key_pos <= positions[:, None]
+        if causal:
+            visible = key_pos <= positions[:, None]
+        else:
+            visible = key_pos < seq_lens[seq_of_token][:, None]
+            if sliding_window is not None:
+                visible = visible & (key_pos < positions[:, None] + sliding_window)
         if sliding_window is not None:
             visible = visible & (key_pos > positions[:, None] - sliding_window)
         scores = mx.where(visible[:, None, None, :], scores, -mx.inf)

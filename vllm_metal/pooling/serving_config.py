@@ -57,21 +57,21 @@ def pooling_kv_budget(vllm_config, bytes_per_token: float) -> int:
     """The most KV cache a causal pooling model can use: a pooling request
     holds blocks only while its prompt is prefilled (it never decodes), so
     the cache needs room for one step's tokens (--max-num-batched-tokens),
-    each running request's partial last block, and one prompt of
-    --max-model-len being prefilled chunk by chunk -- not the generator's
-    fraction of the machine's memory. An explicit --kv-cache-memory-bytes
-    still wins (the worker applies it)."""
+    one prompt of --max-model-len prefilled chunk by chunk (vLLM requires
+    one to fit) and each running request's partial block -- not the
+    generator's share of the machine's memory. An explicit
+    --kv-cache-memory-bytes still wins (the worker applies it)."""
     sched = vllm_config.scheduler_config
     block = vllm_config.cache_config.block_size
     tokens = sched.max_num_batched_tokens + vllm_config.model_config.max_model_len + sched.max_num_seqs * block
-    return int(2 * tokens * bytes_per_token)  # twice: vLLM's scheduler keeps a watermark of free blocks
+    return int(tokens * bytes_per_token)
 
 
 def pooling_capability() -> dict:
     """What `vllm-metal doctor` reports."""
     return {"served": True,
             "runner": "--runner pooling; --convert embed | classify",
-            "encoders": ", ".join(ENCODER_TYPES) + " (bidirectional, dense MLX attention, no KV cache)",
+            "encoders": ", ".join(ENCODER_TYPES) + " (bidirectional: the paged-attention primitive's non-causal mode; no KV cache)",
             "decoders": "every served text family, as embedder (--convert embed) or classifier "
                         "(*ForSequenceClassification, --convert classify, classifier_from_token hf_overrides)",
             "endpoints": "/v1/embeddings (float, base64), /pooling, /classify, /score, /rerank, /v1/rerank; "

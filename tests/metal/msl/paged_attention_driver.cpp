@@ -67,7 +67,7 @@ void plan_info(const PagedAttentionPlan& plan, int64_t* info, char* decode_name,
 extern "C" int vm_paged_attention(
     const char* dtype_name, int itemsize, const int64_t* dims, const int64_t* strides,
     void* const* bases, const uint64_t* base_bytes, const int64_t* offsets, float scale,
-    int sliding_window, float softcap, int has_sinks, const int* overrides, int at_start,
+    int sliding_window, float softcap, int has_sinks, int causal, const int* overrides, int at_start,
     uint64_t seed, int workers, int kernels, void* out, int64_t* info, char* decode_name,
     uint64_t decode_name_bytes, char* error, uint64_t error_bytes) {
   try {
@@ -91,6 +91,7 @@ extern "C" int vm_paged_attention(
     args.scale = scale;
     args.sliding_window = sliding_window;
     args.softcap = softcap;
+    args.causal = causal != 0 ? 1 : 0;
     args.has_sinks = has_sinks != 0 ? 1 : 0;
 
     const size_t out_bytes = size_t(args.num_tokens) * args.num_heads * args.v_head_dim * itemsize;
