@@ -84,6 +84,17 @@ NB_MODULE(_ext, m) {
       "Lazy RMSNorm over the last axis on MLX's CPU device (see vllm_metal.native.ops.rms_norm).");
 
   m.def(
+      "layer_norm",
+      &vllm_metal::layer_norm,
+      "x"_a,
+      "weight"_a,
+      "bias"_a.none(),
+      "eps"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy LayerNorm over the last axis on MLX's CPU device (see vllm_metal.native.ops.layer_norm).");
+
+  m.def(
       "rope",
       &vllm_metal::rope,
       "x"_a,

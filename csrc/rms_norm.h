@@ -1,5 +1,5 @@
-// RMSNorm: x / sqrt(mean(x^2) + eps) * weight over the last axis, as one
-// primitive for MLX's CPU device.
+// RMSNorm: x / sqrt(mean(x^2) + eps) * weight over the last axis, and
+// LayerNorm, as one primitive for MLX's CPU device.
 //
 // On MLX's CPU device mx.fast.rms_norm is not a kernel: it returns its
 // fallback composition (~15 operations: cast, square, mean, add, rsqrt,
@@ -8,6 +8,8 @@
 // kernel: vllm_metal.native.ops.rms_norm calls it on GPU streams and builds this
 // primitive only on CPU streams (its eval_gpu refuses, naming the op to call).
 #pragma once
+
+#include <optional>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -21,9 +23,16 @@ namespace mx = mlx::core;
 // Statistics in float32; the result in x's dtype. Lazy.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s = {});
 
+// LayerNorm the same way: (x - mean) / sqrt(var + eps) * weight [+ bias]
+// (encoders; MLX's CPU mx.fast.layer_norm is also a fallback composition).
+mx::array layer_norm(const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
+                     float eps, mx::StreamOrDevice s = {});
+
+// One primitive for both norms (`layer`: LayerNorm; inputs x, weight[, bias]).
 class RMSNorm : public mx::UnaryPrimitive {
  public:
-  RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  RMSNorm(mx::Stream stream, float eps, bool layer = false)
+      : mx::UnaryPrimitive(stream), eps_(eps), layer_(layer) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -32,14 +41,16 @@ class RMSNorm : public mx::UnaryPrimitive {
     return {inputs[0].shape()};
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+    const auto& o = static_cast<const RMSNorm&>(other);
+    return eps_ == o.eps_ && layer_ == o.layer_;
   }
   const char* name() const override {
-    return "RMSNorm";
+    return layer_ ? "LayerNorm" : "RMSNorm";
   }
 
  private:
   float eps_;
+  bool layer_;
 };
 
 } // namespace vllm_metal

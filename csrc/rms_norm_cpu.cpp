@@ -13,8 +13,11 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto dtype = cpu::kernel_dtype(out.dtype());
   const int dim = static_cast<int>(out.shape(-1));
   const int64_t rows = dim > 0 ? static_cast<int64_t>(out.size()) / dim : 0;
-  encoder.dispatch([x = inputs[0], w = inputs[1], out, dtype, dim, rows, eps = eps_]() mutable {
-    kernel({dtype, x.data<void>(), w.data<void>(), out.data<void>(), rows, dim, eps});
+  const bool has_bias = inputs.size() > 2;
+  encoder.dispatch([x = inputs[0], w = inputs[1], b = has_bias ? inputs[2] : inputs[1], has_bias, out,
+                    dtype, dim, rows, eps = eps_, layer = layer_]() mutable {
+    kernel({dtype, x.data<void>(), w.data<void>(), out.data<void>(), rows, dim, eps, layer,
+            has_bias ? b.data<void>() : nullptr});
   });
 }
 

@@ -320,34 +320,35 @@ class CpuPagedAttention {
   void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc,
                       const float* v, int64_t vstride) {
     const vf neg_inf = vf{} + kNegInf;
-    float mb = kNegInf;
+    const bool whole = lo == 0 && hi == ng * kLanes;  // no key of the groups masked
+    vf vmax = neg_inf;
     for (int g = 0; g < ng; ++g) {
       vf x = vload(s + g * kLanes) * p_.scale;
       if (p_.softcap > 0.0f) {
         for (int j = 0; j < kLanes; ++j) x[j] = p_.softcap * std::tanh(x[j] / p_.softcap);
       }
-      const vf idx = lane + static_cast<float>(g * kLanes);
-      x = (idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)) ? x : neg_inf;
+      if (!whole) {
+        const vf idx = lane + static_cast<float>(g * kLanes);
+        x = (idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)) ? x : neg_inf;
+      }
       vstore(s + g * kLanes, x);
-      mb = std::max(mb, hmax(x));
+      vmax = vmax > x ? vmax : x;
     }
-    const float m = std::max(st.m, mb);
+    const float m = std::max(st.m, hmax(vmax));
     const float a = std::exp(st.m - m);
     if (a != 1.0f) {
       for (int c = 0; c < dvp_; c += kLanes) vstore(acc + c, vload(acc + c) * a);
     }
-    float l = st.l * a;
+    vf vsum = {};
     for (int g = 0; g < ng; ++g) {
       vf x = vload(s + g * kLanes);
       vf e = vexp(x - m);
-      e = x == neg_inf ? vf{} : e;
+      if (!whole) e = x == neg_inf ? vf{} : e;
       vstore(s + g * kLanes, e);
-    }
-    for (int i = lo; i < hi; ++i) {
-      l += s[i];
+      vsum += e;
     }
     accumulate_values(acc, s, v, vstride, lo, hi, dvp_);
-    st = {m, l};
+    st = {m, st.l * a + hsum(vsum)};
   }
 
   // Normalises a row's finished state and stores it. The sink, if any, is

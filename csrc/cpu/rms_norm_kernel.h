@@ -16,6 +16,8 @@ struct RmsNormArgs {
   int64_t rows;
   int dim;
   float eps;
+  bool layer = false;  // LayerNorm: (x - mean) / sqrt(var + eps) * weight [+ bias]
+  const void* bias = nullptr;  // [dim] or null (LayerNorm only)
 };
 
 void rms_norm_generic(const RmsNormArgs& args);

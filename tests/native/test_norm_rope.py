@@ -1,4 +1,4 @@
-"""ops.rms_norm and ops.rope: vllm-metal's RMSNorm and RoPE primitives on
+"""ops.rms_norm, ops.layer_norm and ops.rope: vllm-metal's norm and RoPE primitives on
 MLX's CPU device, against float64 numpy (and MLX's own rms_norm / rope where
 they compute the same thing), plus their refusals of bad input."""
 
@@ -33,6 +33,52 @@ def test_rms_norm_matches_float64(rng, dtype, shape):
     np.testing.assert_allclose(f64(out), rms_reference(x, w, 1e-5), atol=atol * 4, rtol=rtol)
     # MLX's own composition: the same formula, the same roundings.
     np.testing.assert_allclose(f64(out), f64(mx.fast.rms_norm(x, w, 1e-5)), atol=atol * 4, rtol=rtol)
+
+
+def layer_reference(x, w, b, eps):
+    X = f64(x)
+    c = X - X.mean(-1, keepdims=True)
+    y = c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * f64(w)
+    return y if b is None else y + f64(b)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (8, 768), (2, 5, 9, 64), (1030, 128)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_matches_float64(rng, dtype, shape, with_bias):
+    # rows off zero mean with a spread, as an encoder's residual stream has
+    x = mx.array((rng.standard_normal(shape) * 3 + 5).astype(np.float32)).astype(dtype)
+    w = mx.array(rng.standard_normal(shape[-1]).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.standard_normal(shape[-1]).astype(np.float32)).astype(dtype) if with_bias else None
+    out = ops.layer_norm(x, w, b, 1e-12)
+    assert out.dtype == dtype and out.shape == x.shape
+    atol, rtol = TOLERANCE[dtype]
+    if shape[-1] > 1:
+        np.testing.assert_allclose(f64(out), layer_reference(x, w, b, 1e-12), atol=atol * 8, rtol=rtol * 4)
+    # MLX's own composition (one element per row: 0 * rsqrt(eps), both)
+    np.testing.assert_allclose(f64(out), f64(mx.fast.layer_norm(x, w, b, 1e-12)), atol=atol * 8, rtol=rtol * 4)
+
+
+def test_layer_norm_constant_rows_strided_input_and_refusals(rng):
+    x = mx.full((4, 32), 7.0)
+    w, b = mx.ones((32,)), mx.full((32,), 0.5)
+    assert np.array(ops.layer_norm(x, w, b, 1e-6)).tolist() == np.full((4, 32), 0.5).tolist()  # no NaN
+    both = mx.array(rng.standard_normal((64, 80)).astype(np.float32))
+    view = both[:, 10:42]
+    w = mx.array(rng.standard_normal(32).astype(np.float32))
+    np.testing.assert_allclose(f64(ops.layer_norm(view, w, None, 1e-5)), layer_reference(view, w, None, 1e-5),
+                               atol=2e-5, rtol=2e-6)
+    x = mx.ones((2, 8))
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        ops.layer_norm(x, mx.ones((8,)), mx.ones((7,)), 1e-5)
+    with pytest.raises(ValueError, match=r"weight must be \[8\] of x's dtype"):
+        ops.layer_norm(x, mx.ones((8,), dtype=mx.float16), None, 1e-5)
+    with pytest.raises(TypeError, match="bias must be an mx.array"):
+        ops.layer_norm(x, mx.ones((8,)), np.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="eps must be finite"):
+        ops.layer_norm(x, mx.ones((8,)), None, -1.0)
+    with pytest.raises(ValueError, match=r"\[layer_norm\] bias must have shape"):
+        ops._ext.layer_norm(x, mx.ones((8,)), mx.ones((3,)), 1e-5)
 
 
 def test_rms_norm_zero_rows_and_strided_input(rng):

@@ -34,6 +34,15 @@ ACTIVATIONS = {
 }
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters) through ops.layer_norm: vllm-metal's
+    multi-threaded norm primitive on MLX's CPU device, MLX's fused kernel on
+    the GPU."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return ops.layer_norm(x, self.weight, self.get("bias"), self.eps)
+
+
 def activation(name: str):
     if name not in ACTIVATIONS:
         raise NotImplementedError(f"encoder activation {name!r} is not served (served: {sorted(ACTIVATIONS)})")
@@ -74,14 +83,26 @@ class EncoderBatch:
             x = mx.concatenate([x, mx.zeros((1, *x.shape[1:]), dtype=x.dtype)])[self.index]
         return x.reshape(self.num_blocks, self.BLOCK, *x.shape[1:])
 
+    def split_qkv(self, qkv: mx.array, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A fused projection's packed [tokens, 3 * heads * dim] -> q [tokens,
+        heads, dim] and the key and value caches, as strided views of it where
+        the prompts fill whole blocks (the kernel reads strides: no copies)."""
+        t = qkv.shape[0]
+        if self.index is None:
+            blocks = qkv.reshape(self.num_blocks, self.BLOCK, 3, heads, -1)
+            return qkv.reshape(t, 3, heads, -1)[:, 0], blocks[:, :, 1], blocks[:, :, 2]
+        q, k, v = (x[:, 0] for x in mx.split(qkv.reshape(t, 3, heads, -1), 3, axis=1))
+        return q, self.cache(k), self.cache(v)
 
-def attention(q: mx.array, k: mx.array, v: mx.array, batch: EncoderBatch, scale: float,
+
+def attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, batch: EncoderBatch, scale: float,
               window: int | None = None) -> mx.array:
-    """Bidirectional attention of packed [tokens, heads, head_dim] rows
-    within each prompt (keys less than `window` positions away, when given),
-    through the paged-attention primitive's non-causal mode. Returns packed
+    """Bidirectional attention of packed [tokens, heads, head_dim] query rows
+    over their prompt's keys (`batch.cache` / `batch.split_qkv` layout; keys
+    less than `window` positions away, when given), through the
+    paged-attention primitive's non-causal mode. Returns packed
     [tokens, heads * head_dim]."""
-    out = ops.paged_attention(q, batch.cache(k), batch.cache(v), batch.block_tables, batch.seq_lens,
+    out = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
                               batch.cu_seqlens, scale=scale, sliding_window=window, causal=False)
     return out.reshape(out.shape[0], -1)
 
@@ -92,16 +113,15 @@ class BertLayer(nn.Module):
         self.heads, self.head_dim = heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.attn_out = nn.Linear(hidden, hidden)
-        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.attn_norm = LayerNorm(hidden, eps=eps)
         self.up = nn.Linear(hidden, intermediate)
         self.down = nn.Linear(intermediate, hidden)
-        self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
+        self.mlp_norm = LayerNorm(hidden, eps=eps)
         self.act = act
 
     def __call__(self, h: mx.array, batch: EncoderBatch) -> mx.array:
-        t = h.shape[0]
-        q, k, v = mx.split(self.qkv(h).reshape(t, 3, self.heads, self.head_dim), 3, axis=1)
-        a = attention(q[:, 0], k[:, 0], v[:, 0], batch, self.head_dim ** -0.5)
+        q, k, v = batch.split_qkv(self.qkv(h), self.heads)
+        a = attention(q, k, v, batch, self.head_dim ** -0.5)
         h = self.attn_norm(h + self.attn_out(a))
         return self.mlp_norm(h + self.down(self.act(self.up(h))))
 
@@ -118,7 +138,7 @@ class BertEncoder(nn.Module):
         self.position_embeddings = nn.Embedding(config["max_position_embeddings"], hidden)
         self.type_vocab_size = config.get("type_vocab_size", 2)
         self.token_type_embeddings = nn.Embedding(max(self.type_vocab_size, 1), hidden)
-        self.embed_norm = nn.LayerNorm(hidden, eps=eps)
+        self.embed_norm = LayerNorm(hidden, eps=eps)
         act = activation(config.get("hidden_act", "gelu"))
         self.layers = [BertLayer(hidden, config["num_attention_heads"], config["intermediate_size"], eps, act)
                        for _ in range(config["num_hidden_layers"])]

@@ -13,7 +13,7 @@ from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from vllm_metal.models.bert import EncoderBatch, activation, attention  # noqa: E402
+from vllm_metal.models.bert import EncoderBatch, LayerNorm, activation, attention  # noqa: E402
 
 
 def _layer_types(config: dict) -> list[str]:
@@ -52,10 +52,10 @@ class ModernBertLayer(nn.Module):
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         eps, bias = config.get("norm_eps", 1e-5), config.get("norm_bias", False)
         self.heads, self.head_dim = heads, hidden // heads
-        self.attn_norm = nn.LayerNorm(hidden, eps=eps, bias=bias) if index else None
+        self.attn_norm = LayerNorm(hidden, eps=eps, bias=bias) if index else None
         self.Wqkv = nn.Linear(hidden, 3 * hidden, bias=config.get("attention_bias", False))
         self.Wo = nn.Linear(hidden, hidden, bias=config.get("attention_bias", False))
-        self.mlp_norm = nn.LayerNorm(hidden, eps=eps, bias=bias)
+        self.mlp_norm = LayerNorm(hidden, eps=eps, bias=bias)
         self.Wi = nn.Linear(hidden, 2 * config["intermediate_size"], bias=config.get("mlp_bias", False))
         self.Wo_mlp = nn.Linear(config["intermediate_size"], hidden, bias=config.get("mlp_bias", False))
         self.act = activation(config.get("hidden_activation", "gelu"))
@@ -68,7 +68,7 @@ class ModernBertLayer(nn.Module):
         x = self.attn_norm(h) if self.attn_norm is not None else h
         qkv = self.Wqkv(x).reshape(t, 3, self.heads, self.head_dim)
         q, k = (rope(qkv[:, i], positions, self.base) for i in (0, 1))
-        a = attention(q, k, qkv[:, 2], batch, self.head_dim ** -0.5, self.window)
+        a = attention(q, batch.cache(k), batch.cache(qkv[:, 2]), batch, self.head_dim ** -0.5, self.window)
         h = h + self.Wo(a)
         up, gate = mx.split(self.Wi(self.mlp_norm(h)), 2, axis=-1)
         return h + self.Wo_mlp(self.act(up) * gate)
@@ -82,9 +82,9 @@ class ModernBertEncoder(nn.Module):
         super().__init__()
         hidden, eps, bias = config["hidden_size"], config.get("norm_eps", 1e-5), config.get("norm_bias", False)
         self.tok_embeddings = nn.Embedding(config["vocab_size"], hidden)
-        self.embed_norm = nn.LayerNorm(hidden, eps=eps, bias=bias)
+        self.embed_norm = LayerNorm(hidden, eps=eps, bias=bias)
         self.layers = [ModernBertLayer(config, i, t) for i, t in enumerate(_layer_types(config))]
-        self.final_norm = nn.LayerNorm(hidden, eps=eps, bias=bias)
+        self.final_norm = LayerNorm(hidden, eps=eps, bias=bias)
 
     def __call__(self, token_ids: mx.array, positions: mx.array, token_type_ids, batch: EncoderBatch) -> mx.array:
         h = self.embed_norm(self.tok_embeddings(token_ids))

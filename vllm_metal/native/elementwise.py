@@ -90,6 +90,29 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, *, stream=None) -> mx.ar
     return _ext.rms_norm(x, weight, float(eps), stream=stream)
 
 
+def layer_norm(x: mx.array, weight: mx.array, bias: mx.array | None, eps: float, *, stream=None) -> mx.array:
+    """(x - mean) / sqrt(var + eps) * weight [+ bias] over the last axis,
+    lazy, in x's dtype (encoders' LayerNorm).
+
+    On MLX's CPU device this is vllm-metal's norm primitive in its LayerNorm
+    mode (one pass per row over the kernels' threads; MLX's CPU
+    mx.fast.layer_norm is a single-threaded fallback composition); elsewhere
+    MLX's own fused mx.fast.layer_norm. weight and bias: [dim] of x's dtype
+    (ValueError otherwise); bias may be None.
+    """
+    _check_array(x, "x")
+    for name, v in (("weight", weight), ("bias", bias)):
+        if v is None and name == "bias":
+            continue
+        _check_array(v, name)
+        if v.ndim != 1 or x.ndim < 1 or v.shape[0] != x.shape[-1] or v.dtype != x.dtype:
+            raise ValueError(f"[layer_norm] {name} must be [{x.shape[-1] if x.ndim else '?'}] of x's dtype "
+                             f"{x.dtype}, got {tuple(v.shape)} {v.dtype}")
+    if _device_of(stream).type != mx.DeviceType.cpu:
+        return mx.fast.layer_norm(x, weight, bias, float(eps), stream=stream)
+    return _ext.layer_norm(x, weight, bias, float(eps), stream=stream)
+
+
 def rope(x: mx.array, table: mx.array, *, traditional: bool = False, stream=None) -> mx.array:
     """Rotary embedding of packed tokens from a per-token table, lazy, in x's dtype.
 
