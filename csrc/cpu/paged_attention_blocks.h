@@ -91,33 +91,47 @@ void score_block(const float* q, int rows, int D, const float* kt, int kp, int n
   }
 }
 
-// acc[0:dvp] += sum_i w[i] * v[i * stride + 0:dvp] for i in [lo, hi), in i
-// order for every element, 64 floats of acc in registers at a time.
-inline void accumulate_values(float* acc, const float* w, const float* v, int64_t stride,
-                              int lo, int hi, int dvp) {
+// acc[r][0:dvp] += sum_i w[r][i] * v[i * stride + 0:dvp] for i in [lo, hi)
+// and RB rows at once (row r's weights at w + r * w_stride, its accumulator
+// at acc + r * acc_stride): a value row is loaded once for all RB rows, NV
+// vectors of each accumulator in registers at a time. Every element's sum
+// runs over its keys in i order, one FMA each, so a row's bits depend
+// neither on RB nor on the instruction set.
+#if defined(__AVX512F__)
+constexpr int kValueRowBlock = 4, kValueVectors = 4;
+#else
+constexpr int kValueRowBlock = 2, kValueVectors = 2;
+#endif
+
+template <int RB>
+inline void accumulate_values_rows(float* acc, int64_t acc_stride, const float* w, int64_t w_stride,
+                                   const float* v, int64_t stride, int lo, int hi, int dvp) {
+  constexpr int NV = kValueVectors;
   int c = 0;
-  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) {
-    vf a0 = vload(acc + c), a1 = vload(acc + c + 16), a2 = vload(acc + c + 32),
-       a3 = vload(acc + c + 48);
+  for (; c + NV * kLanes <= dvp; c += NV * kLanes) {
+    vf a[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < NV; ++j) a[r][j] = vload(acc + r * acc_stride + c + j * kLanes);
     for (int i = lo; i < hi; ++i) {
       const float* vr = v + static_cast<int64_t>(i) * stride + c;
-      const float wi = w[i];
-      a0 += wi * vload(vr);
-      a1 += wi * vload(vr + 16);
-      a2 += wi * vload(vr + 32);
-      a3 += wi * vload(vr + 48);
+      vf x[NV];
+      for (int j = 0; j < NV; ++j) x[j] = vload(vr + j * kLanes);
+      for (int r = 0; r < RB; ++r) {
+        const float wi = w[r * w_stride + i];
+        for (int j = 0; j < NV; ++j) a[r][j] += wi * x[j];
+      }
     }
-    vstore(acc + c, a0);
-    vstore(acc + c + 16, a1);
-    vstore(acc + c + 32, a2);
-    vstore(acc + c + 48, a3);
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < NV; ++j) vstore(acc + r * acc_stride + c + j * kLanes, a[r][j]);
   }
   for (; c < dvp; c += kLanes) {
-    vf a = vload(acc + c);
+    vf a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = vload(acc + r * acc_stride + c);
     for (int i = lo; i < hi; ++i) {
-      a += w[i] * vload(v + static_cast<int64_t>(i) * stride + c);
+      const vf x = vload(v + static_cast<int64_t>(i) * stride + c);
+      for (int r = 0; r < RB; ++r) a[r] += w[r * w_stride + i] * x;
     }
-    vstore(acc + c, a);
+    for (int r = 0; r < RB; ++r) vstore(acc + r * acc_stride + c, a[r]);
   }
 }
 

@@ -3,19 +3,21 @@
 //
 // Work is split into units of (sequence, tile of query rows, kv head[, key
 // partition]); tile sizes come from the shape-class table in
-// paged_attention_tiles.h. A unit walks the cache blocks its rows can see:
-// it loads a block's keys once, transposed (head dim x keys, keys across the
-// SIMD lanes), and scores them against every row of the tile with a
-// register-blocked micro-kernel (row_block rows x 16 keys, one FMA chain per
-// lane over the head dim); the block's values are loaded once and
-// accumulated into every row. Softmax is an online (streaming) softmax in
-// float32, one update per cache block. Scores use head_dim (q and key rows),
+// paged_attention_tiles.h. A unit walks the keys its rows can see in steps
+// (64 keys of 16- or 32-key blocks, else one block): it loads a step's keys
+// once, transposed (head dim x keys, keys across the SIMD lanes), and scores
+// them against every row of the tile with a register-blocked micro-kernel
+// (row_block rows x 16 keys, one FMA chain per lane over the head dim);
+// each value row is then loaded once per kValueRowBlock rows that see the
+// same keys and accumulated into them. Softmax is an online (streaming)
+// softmax in float32, one update per step. Scores use head_dim (q and key rows),
 // the accumulator v_head_dim (the first values of each value row); an
 // attention sink is folded into a row's finished state when it is written.
 //
 // Numerics are batch-invariant by construction: a row's score for a key is a
-// dot product in head-dim order; its softmax advances one cache block at a
-// time (blocks are absolute key ranges), masked keys contribute exact zeros;
+// dot product in head-dim order; its softmax advances one step of keys at a
+// time (absolute, aligned ranges: 64 keys of 16- or 32-key blocks, else one
+// block; kChunkKeys), masked keys contribute exact zeros;
 // keys are visited in absolute partitions of kPartition positions, each
 // reduced with a fresh online softmax and merged pairwise in position order.
 // So a query row's result depends only on its own sequence, never on what
@@ -80,11 +82,25 @@ inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2
   }
 }
 
+// Keys per softmax step: whole 16- or 32-key blocks are scored and reduced
+// four or two at a time (the per-step work of a row, its max, rescale and
+// sums, amortised over 64 keys); other block sizes one block per step.
+constexpr int kChunkKeys = 64;
+
+// The value rows of one block's keys within a step: lanes [off, off + n) of
+// the step's scores weigh rows v, v + stride, ... (sc.v or the cache itself).
+struct ValueSegment {
+  const float* v;
+  int64_t stride;
+  int off, n;
+};
+
 // Per-thread scratch, grown on demand and kept between calls.
 struct Scratch {
   std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
-  const float* vrows = nullptr;  // the block's value rows (sc.v or the cache itself)
-  int64_t vstride = 0;           // floats between consecutive value rows
+  ValueSegment seg[kChunkKeys / 16];
+  int nseg = 0;
+  std::vector<int> lo, hi;  // each row's lanes of the current step
   std::vector<RowState> state, part_state;
 };
 
@@ -104,7 +120,10 @@ class CpuPagedAttention {
         seq_lens_(a.seq_lens),
         cu_(a.cu_seqlens_q),
         dvp_(round_up(g_.v_head_dim, kLanes)),
-        kp_(round_up(g_.block_size, kLanes)) {}
+        chunk_(g_.block_size % kLanes == 0 && g_.block_size < kChunkKeys && kChunkKeys % g_.block_size == 0
+                   ? kChunkKeys
+                   : g_.block_size),
+        kp_(round_up(chunk_, kLanes) + kLanes) {}
 
   void run() {
     plan();
@@ -186,10 +205,12 @@ class CpuPagedAttention {
     sc.part_acc.resize(rows * dvp_);
     sc.part_state.resize(rows);
     sc.kt.resize(static_cast<std::size_t>(D) * kp_);
-    sc.v.resize(static_cast<std::size_t>(g_.block_size) * dvp_);
+    sc.v.resize(static_cast<std::size_t>(chunk_ + kLanes) * dvp_);
     sc.krows.resize(static_cast<std::size_t>(kLanes) * D);
     sc.zeros.assign(D, 0.0f);
     sc.scores.resize(static_cast<std::size_t>(rows) * kp_);
+    sc.lo.resize(rows);
+    sc.hi.resize(rows);
 
     // Gather the tile's query rows (token-major, then head within the group).
     const int tok0 = cu_[u.seq] + u.tok_begin;
@@ -222,11 +243,12 @@ class CpuPagedAttention {
     }
   }
 
-  // Loads keys [p0, p1) of one cache block transposed into sc.kt (head_dim x
-  // kp_, lanes past p1 - p0 zero) and points sc.vrows at their values: the
-  // cache's own rows where they are float32 vectors, else rows of dvp_ in
-  // sc.v (converted, zero past v_head_dim).
-  void load_block(int block_id, int b0, int p0, int p1, int kv_head, Scratch& sc) {
+  // Loads keys [p0, p1) of one cache block transposed into sc.kt's lanes
+  // from `col` (head_dim rows of kp_; the lanes up to the next multiple of 16
+  // past them zero) and appends their value segment: the cache's own rows
+  // where they are float32 vectors, else rows of dvp_ in sc.v from row `col`
+  // (converted, zero past v_head_dim).
+  void load_block(int block_id, int b0, int p0, int p1, int kv_head, int col, Scratch& sc) {
     const int D = g_.head_dim, Dv = g_.v_head_dim;
     const int n = p1 - p0;
     const float* rows[kLanes];
@@ -248,22 +270,21 @@ class CpuPagedAttention {
         load_row(k_ + k_off, g_.k_st[3], D, staged);
         rows[i] = staged;
       }
-      transpose_keys(rows, D, sc.kt.data() + g0, kp_);
+      transpose_keys(rows, D, sc.kt.data() + col + g0, kp_);
     }
     const int64_t v_row0 = block_id * g_.v_st[0] + (p0 - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
     if constexpr (std::is_same_v<T, float>) {
       // Float32 rows of whole vectors are read in place: no copy.
       if (g_.v_st[3] == 1 && dvp_ == Dv) {
-        sc.vrows = v_ + v_row0;
-        sc.vstride = g_.v_st[1];
+        sc.seg[sc.nseg++] = {v_ + v_row0, g_.v_st[1], col, n};
         return;
       }
     }
-    sc.vrows = sc.v.data();
-    sc.vstride = dvp_;
+    float* dst = &sc.v[static_cast<int64_t>(col) * dvp_];
+    sc.seg[sc.nseg++] = {dst, dvp_, col, n};
     for (int i = 0; i < n; ++i) {
       const int64_t v_off = v_row0 + i * g_.v_st[1];
-      float* vr = &sc.v[static_cast<int64_t>(i) * dvp_];
+      float* vr = dst + static_cast<int64_t>(i) * dvp_;
       load_row(v_ + v_off, g_.v_st[3], Dv, vr);
       std::fill(vr + Dv, vr + dvp_, 0.0f);
     }
@@ -285,14 +306,19 @@ class CpuPagedAttention {
     }
     const int32_t* table = bt_ + u.seq * g_.bt_st[0];
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int b = key_lo / bs; b * bs < key_hi; ++b) {
-      const int block_id = table[b * g_.bt_st[1]];
-      const int p0 = std::max(key_lo, b * bs), p1 = std::min(key_hi, (b + 1) * bs);
-      const int ng = (p1 - p0 + kLanes - 1) / kLanes;
-      load_block(block_id, b * bs, p0, p1, u.kv_head, sc);
+    // Steps over absolute, aligned key ranges [c0, c0 + chunk_) (a partition
+    // is a whole number of them); lane i of a step is key c0 + i.
+    for (int c0 = key_lo / chunk_ * chunk_; c0 < key_hi; c0 += chunk_) {
+      const int p0 = std::max(key_lo, c0), p1 = std::min(key_hi, c0 + chunk_);
+      sc.nseg = 0;
+      for (int b = p0 / bs; b * bs < p1; ++b) {
+        const int q0 = std::max(p0, b * bs), q1 = std::min(p1, (b + 1) * bs);
+        load_block(table[b * g_.bt_st[1]], b * bs, q0, q1, u.kv_head, q0 - c0, sc);
+      }
+      const int ng = (p1 - c0 + kLanes - 1) / kLanes;
 
       // Rows that see none of these keys (the first rows of a causal tile
-      // against its last block, rows whose window ended) are not scored.
+      // against its last keys, rows whose window ended) are not scored.
       int r_first = 0;
       while (r_first < rows && row_hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
       int r_end = rows;
@@ -305,20 +331,62 @@ class CpuPagedAttention {
 
       for (int r = r_first; r < r_end; ++r) {
         const int pos = first_pos + r / g_.group;
-        const int lo = std::max(p0, row_lo(pos)) - p0, hi = std::min(p1, row_hi(u.seq, pos)) - p0;
-        if (lo >= hi) {
-          continue;
+        const int lo = std::max(p0, row_lo(pos)) - c0, hi = std::min(p1, row_hi(u.seq, pos)) - c0;
+        sc.lo[r] = lo;
+        sc.hi[r] = hi;
+        if (lo < hi) {
+          softmax_update(&sc.scores[r * kp_], ng, lo, hi, lane, sc.part_state[r], &sc.part_acc[r * dvp_]);
         }
-        softmax_update(&sc.scores[r * kp_], ng, lo, hi, lane, sc.part_state[r],
-                       &sc.part_acc[r * dvp_], sc.vrows, sc.vstride);
+      }
+      // The values, into rows with the same keys kValueRowBlock at a time.
+      for (int r = r_first; r < r_end;) {
+        int n = 1;
+        while (n < kValueRowBlock && r + n < r_end && sc.lo[r + n] == sc.lo[r] && sc.hi[r + n] == sc.hi[r]) ++n;
+        if (sc.lo[r] < sc.hi[r]) {
+          accumulate_step(r, n, sc);
+        }
+        r += n;
       }
     }
   }
 
-  // Online-softmax step of one row over the keys [lo, hi) of a block (its
-  // scores in s, ng vectors of them).
-  void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc,
-                      const float* v, int64_t vstride) {
+  // acc += p . values for rows [r, r + n) of a step (the same lanes
+  // [lo, hi)), segment by segment in key order.
+  void accumulate_step(int r, int n, Scratch& sc) {
+    const int lo = sc.lo[r], hi = sc.hi[r];
+    float* acc = &sc.part_acc[r * dvp_];
+    const float* w = &sc.scores[r * kp_];
+    for (int j = 0; j < sc.nseg; ++j) {
+      const ValueSegment& g = sc.seg[j];
+      const int a0 = std::max(lo, g.off) - g.off, a1 = std::min(hi, g.off + g.n) - g.off;
+      if (a0 >= a1) continue;
+      switch (n) {
+        case 4:
+          if constexpr (kValueRowBlock >= 4) {
+            accumulate_values_rows<4>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
+            break;
+          }
+          [[fallthrough]];
+        case 3:
+          if constexpr (kValueRowBlock >= 3) {
+            accumulate_values_rows<3>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
+            break;
+          }
+          [[fallthrough]];
+        case 2:
+          accumulate_values_rows<2>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
+          break;
+        default:
+          accumulate_values_rows<1>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
+      }
+    }
+  }
+
+  // Online-softmax step of one row over the lanes [lo, hi) of a step (its
+  // scores in s, ng vectors of them; lanes outside are masked, whatever they
+  // hold): s becomes the weights, acc is rescaled; accumulate_step adds the
+  // values.
+  void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc) {
     const vf neg_inf = vf{} + kNegInf;
     const bool whole = lo == 0 && hi == ng * kLanes;  // no key of the groups masked
     vf vmax = neg_inf;
@@ -347,7 +415,6 @@ class CpuPagedAttention {
       vstore(s + g * kLanes, e);
       vsum += e;
     }
-    accumulate_values(acc, s, v, vstride, lo, hi, dvp_);
     st = {m, st.l * a + hsum(vsum)};
   }
 
@@ -402,8 +469,9 @@ class CpuPagedAttention {
   Geometry g_;
   const std::vector<int>& seq_lens_;
   const std::vector<int>& cu_;
-  const int dvp_;  // v_head_dim padded to whole vectors
-  const int kp_;   // block_size padded to whole vectors (row stride of kt, scores)
+  const int dvp_;    // v_head_dim padded to whole vectors
+  const int chunk_;  // keys per softmax step (absolute, aligned ranges): kChunkKeys or a block
+  const int kp_;     // a step's keys padded to whole vectors, plus one (row stride of kt, scores)
   std::vector<Unit> units_, merges_;
   std::vector<float> partials_;
 };
