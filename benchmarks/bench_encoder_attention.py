@@ -70,7 +70,7 @@ def case(num_seqs: int, longest: int, rng) -> dict:
     batch = EncoderBatch(cu)
     scale = DIM ** -0.5
     dense = timeit(lambda: mx.eval(dense_attention(q, k, v, cu, scale)))
-    paged = timeit(lambda: mx.eval(attention(q, k, v, batch, scale)))
+    paged = timeit(lambda: mx.eval(attention(q, batch.cache(k), batch.cache(v), batch, scale)))
     kc, vc = batch.cache(k), batch.cache(v)
     mx.eval(kc, vc)
     causal = timeit(lambda: mx.eval(ops.paged_attention(q, kc, vc, batch.block_tables, batch.seq_lens,

@@ -1,4 +1,4 @@
-"""ops.rms_norm and ops.rope on an Apple GPU: MLX's own fused rms_norm and
+"""ops.rms_norm, ops.layer_norm and ops.rope on an Apple GPU: MLX's own fused norms and
 the MLX-op composition of rope (the RMSNorm and RoPE primitives are
 CPU-only), against float64 and the CPU primitives; the primitives refuse a
 GPU stream with a message naming what to call. Skipped where the extension
@@ -25,6 +25,20 @@ def test_gpu_rms_norm_matches_float64_and_the_cpu_primitive():
     X, W = np.array(x, np.float64), np.array(w, np.float64)
     np.testing.assert_allclose(gpu, X / np.sqrt((X * X).mean(-1, keepdims=True) + 1e-5) * W, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(gpu, np.array(ops.rms_norm(x, w, 1e-5, stream=mx.cpu)), rtol=2e-5, atol=2e-5)
+
+
+def test_gpu_layer_norm_matches_the_cpu_primitive():
+    """ops.layer_norm on the GPU is MLX's fused mx.fast.layer_norm; the norm
+    primitive's LayerNorm mode is CPU-only and refuses a GPU stream naming the op."""
+    rng = np.random.default_rng(2)
+    x = mx.array((rng.standard_normal((5, 768)) * 3 + 2).astype(np.float32))
+    w, b = (mx.array(rng.standard_normal(768).astype(np.float32)) for _ in range(2))
+    for bias in (b, None):
+        gpu = np.array(ops.layer_norm(x, w, bias, 1e-12, stream=mx.gpu))
+        np.testing.assert_allclose(gpu, np.array(ops.layer_norm(x, w, bias, 1e-12, stream=mx.cpu)),
+                                   rtol=2e-5, atol=2e-5)
+    with pytest.raises(RuntimeError, match="layer_norm"):
+        mx.eval(ops._ext.layer_norm(x, w, b, 1e-12, stream=mx.gpu))
 
 
 @pytest.mark.parametrize("traditional", [False, True])

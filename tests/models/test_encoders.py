@@ -82,6 +82,31 @@ def test_matches_transformers(encoder, lens, rng):
         np.testing.assert_allclose(h[cu[s]:cu[s + 1]], want, atol=2e-5, rtol=0)
 
 
+def test_pooled_rows_only_match_the_full_pass(encoder, rng):
+    """forward(keep=...) (what the runner uses for CLS / last-token pooling):
+    the last layer computed for one row per prompt gives that row of the
+    full pass and of transformers; ModernBERT (windowed layers) refuses it."""
+    path, ref = encoder
+    enc = load_encoder(path)
+    lens = [3, 17, 1, 12]
+    ids = [rng.integers(5, 300, n) for n in lens]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tokens = np.concatenate(ids).astype(np.int32)
+    if not enc.computes_rows_only:
+        with pytest.raises(ValueError, match="one row per prompt of a BERT-style encoder"):
+            enc.forward(tokens, cu, keep=cu[:-1])
+        return
+    full = np.array(enc.forward(tokens, cu))
+    for keep in (cu[:-1], cu[1:] - 1):  # CLS, last token
+        rows = np.array(enc.forward(tokens, cu, keep=keep))
+        assert rows.shape == (len(lens), 64)
+        np.testing.assert_allclose(rows, full[keep], atol=2e-6, rtol=0)
+        for s, row in enumerate(ids):
+            np.testing.assert_allclose(rows[s], _reference(ref, row.tolist())[keep[s] - cu[s]], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="one row per prompt"):
+        enc.forward(tokens, cu, keep=cu[:2])
+
+
 def test_modernbert_windows_change_the_output(tmp_path, rng):
     """A probe that the local windows are real: widening them changes the
     states of a 17-token prompt (and the reference above agrees with the narrow one)."""

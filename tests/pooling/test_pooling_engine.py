@@ -204,7 +204,12 @@ def test_encoder_embedder(tmp_path, model_type, pooling):
     try:
         runner = runner_of(llm)
         assert runner.kv is None and runner.mlx_model is None  # an encoder: no KV cache at all
+        encoder, rows_only = runner.pooling.encoder, []
+        forward = encoder.forward
+        encoder.forward = lambda *a, **k: rows_only.append(k.get("keep") is not None) or forward(*a, **k)
         outs = llm.embed(pm.TEXTS, use_tqdm=False)
+        # CLS pooling of a BERT-style encoder: the last layer computes the CLS rows only
+        assert rows_only and set(rows_only) == {pooling == "cls" and model_type != "modernbert"}
         for o in outs:
             assert o.prompt_token_ids[0] == 3  # [CLS] / <s> first: the tokenizer's template
             assert_vectors(o.outputs.embedding, pm.embedding(ref, o.prompt_token_ids, pooling))
@@ -212,6 +217,20 @@ def test_encoder_embedder(tmp_path, model_type, pooling):
         np.testing.assert_allclose(solo, outs[2].outputs.embedding, atol=1e-6, rtol=0)
     finally:
         _close(llm)
+    if pooling == "cls":
+        # CLS embeddings compute the last layer for the CLS rows only; the
+        # same model serving token_embed still gets every row's state
+        from vllm.config import PoolerConfig
+
+        llm = _llm(path, max_model_len=128, pooler_config=PoolerConfig(task="token_embed"))
+        try:
+            for o in llm.encode(pm.TEXTS[:2], pooling_task="token_embed", use_tqdm=False):
+                h = pm.hidden_states(ref, o.prompt_token_ids)
+                want = (h / h.norm(dim=-1, keepdim=True)).numpy()
+                got = o.outputs.data.numpy()
+                assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4
+        finally:
+            _close(llm)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "modernbert"])

@@ -100,7 +100,27 @@ class PoolingSide:
         if any(t is not None for t in types):
             type_ids = np.concatenate([t if t is not None else np.zeros(len(s.prompt_token_ids), np.int32)
                                        for t, s in zip(types, states)])
-        return self.encoder.forward(token_ids, cu, type_ids)
+        keep = self._pooled_rows_only(states, cu)
+        if keep is None:
+            return self.encoder.forward(token_ids, cu, type_ids)
+        # Only the pooled rows reach the pooler: the last layer computes them
+        # alone; the other rows of the [tokens, hidden] states it is handed
+        # stay zero (never read by a CLS or last-token pooler).
+        rows = self.encoder.forward(token_ids, cu, type_ids, keep=keep)
+        return mx.zeros((int(cu[-1]), rows.shape[1]), mx.float32).at[mx.array(keep)].add(rows)
+
+    SEQUENCE_TASKS = ("embed", "classify", "score")
+
+    def _pooled_rows_only(self, states, cu: np.ndarray) -> np.ndarray | None:
+        """The packed row each prompt's pooler reads, when that is all it
+        reads: a BERT-style encoder, CLS or last-token pooling, and a
+        sequence task (one vector or score per prompt) for every request of
+        the step; else None (every row is computed)."""
+        kind = getattr(self.runner.vllm_config.model_config.pooler_config, "seq_pooling_type", None)
+        if (self.encoder is None or not self.encoder.computes_rows_only or kind not in ("CLS", "LAST")
+                or any(s.pooling.params.task not in self.SEQUENCE_TASKS for s in states)):
+            return None
+        return (cu[:-1] if kind == "CLS" else cu[1:] - 1).astype(np.int32)
 
     def execute(self, states, scheduled: list[int], tables=None) -> ModelRunnerOutput:
         runner = self.runner

@@ -125,6 +125,20 @@ class BertLayer(nn.Module):
         h = self.attn_norm(h + self.attn_out(a))
         return self.mlp_norm(h + self.down(self.act(self.up(h))))
 
+    def rows(self, h: mx.array, batch: EncoderBatch, keep: mx.array) -> mx.array:
+        """The layer's output for the packed rows `keep` only (one per
+        prompt, in prompt order), [len(keep), hidden]: every row's keys and
+        values, the kept rows' queries, attention output and MLP. The rows
+        are the same as the full layer's (attention is batch-invariant and
+        position-free here: no window)."""
+        q, k, v = batch.split_qkv(self.qkv(h), self.heads)
+        one_each = mx.arange(batch.num_seqs + 1, dtype=mx.int32)
+        a = ops.paged_attention(q[keep], k, v, batch.block_tables, batch.seq_lens, one_each,
+                                scale=self.head_dim ** -0.5, causal=False)
+        hk = h[keep]
+        hk = self.attn_norm(hk + self.attn_out(a.reshape(a.shape[0], -1)))
+        return self.mlp_norm(hk + self.down(self.act(self.up(hk))))
+
 
 class BertEncoder(nn.Module):
     """Embeddings (word + position + token type, LayerNorm) and post-norm
@@ -144,13 +158,16 @@ class BertEncoder(nn.Module):
                        for _ in range(config["num_hidden_layers"])]
 
     def __call__(self, token_ids: mx.array, positions: mx.array, token_type_ids: mx.array | None,
-                 batch: EncoderBatch) -> mx.array:
+                 batch: EncoderBatch, keep: mx.array | None = None) -> mx.array:
+        """Final hidden states of every packed row, or with `keep` (a row
+        per prompt) of those rows only: the last layer then computes just
+        them (what a CLS or last-token pooler reads)."""
         h = self.word_embeddings(token_ids) + self.position_embeddings(positions + self.position_offset)
         types = token_type_ids if token_type_ids is not None else mx.zeros_like(token_ids)
         h = self.embed_norm(h + self.token_type_embeddings(types))
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             h = layer(h, batch)
-        return h
+        return self.layers[-1](h, batch) if keep is None else self.layers[-1].rows(h, batch, keep)
 
 
 def bert_weights(hf: dict[str, mx.array], num_layers: int) -> dict[str, mx.array]:

@@ -86,10 +86,19 @@ class EncoderModel:
         """Longest prompt the position table covers (after RoBERTa's offset)."""
         return self.config["max_position_embeddings"] - self.module.position_offset
 
+    @property
+    def computes_rows_only(self) -> bool:
+        """Whether forward(keep=...) exists: BERT-style layers (attention
+        with no window, so a kept row's result does not depend on which rows
+        are queried); ModernBERT's local layers have windows."""
+        return isinstance(self.module, BertEncoder)
+
     def forward(self, token_ids: np.ndarray, cu_seqlens: np.ndarray,
-                token_type_ids: np.ndarray | None = None) -> mx.array:
+                token_type_ids: np.ndarray | None = None, keep: np.ndarray | None = None) -> mx.array:
         """Packed whole prompts (int32 [tokens]; row s = tokens cu[s]:cu[s+1])
-        -> lazy float32 [tokens, hidden]."""
+        -> lazy float32 [tokens, hidden]; with `keep` (one packed row per
+        prompt; computes_rows_only models) float32 [prompts, hidden] of
+        those rows, the last layer computed for them only."""
         lens = np.diff(cu_seqlens)
         positions = np.arange(int(cu_seqlens[-1]), dtype=np.int32) - np.repeat(cu_seqlens[:-1], lens)
         if int(lens.max()) > self.max_positions:
@@ -98,7 +107,12 @@ class EncoderModel:
         types = None
         if token_type_ids is not None and self.module.type_vocab_size > 1:
             types = mx.array(token_type_ids.astype(np.int32))
-        h = self.module(mx.array(token_ids), mx.array(positions.astype(np.int32)), types, EncoderBatch(cu_seqlens))
+        if keep is not None and (not self.computes_rows_only or len(keep) != len(lens)):
+            raise ValueError(f"keep: one row per prompt of a BERT-style encoder ({self.model_type}, "
+                             f"{len(lens)} prompts, {len(keep)} rows)")
+        rows = mx.array(np.asarray(keep, np.int32)) if keep is not None else None
+        h = self.module(mx.array(token_ids), mx.array(positions.astype(np.int32)), types, EncoderBatch(cu_seqlens),
+                        **({"keep": rows} if rows is not None else {}))
         return h.astype(mx.float32)
 
 
