@@ -144,6 +144,7 @@ class TimedRunner:
         self.stamps: dict[str, float] = {}
         self.last: tuple | None = None  # (inputs, logit_rows) of the latest step
         model_config = SimpleNamespace(model=model_dir, dtype=torch.float32, logprobs_mode="raw_logprobs",
+                                       runner_type="generate",
                                        logits_processors=None, get_vocab_size=lambda: self.vocab)
         self.vocab = 0
         config = SimpleNamespace(model_config=model_config, speculative_config=None,

@@ -23,6 +23,27 @@ import pytest
 from vllm_metal.native import ops  # noqa: F401  (must precede any other mlx import)
 
 
+# The longest test files, longest first (`scripts/test.sh` prints the slowest tests). With
+# pytest-xdist's --dist loadfile each file runs whole on one worker, in collection order: started
+# first, the long files overlap the many short ones instead of running alone at the end.
+LONG_FILES = (
+    "tests/models/test_model_families.py",
+    "tests/distributed/test_engines.py",
+    "tests/reliability/test_soak.py",
+    "tests/engine/test_golden.py",
+    "tests/distributed/test_multi_host.py",
+    "tests/reliability/test_kv_exhaustion.py",
+    "tests/engine/test_serve.py",
+    "tests/engine/test_prompt_logprobs.py",
+    "tests/pooling/test_pooling_families.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))  # stable
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """The embedded default model (SmolLM2-135M-Instruct), converted once per session."""

@@ -96,8 +96,10 @@ def test_the_model_gives_the_same_logits_with_the_primitives(model_dir):
     assert loaded[True].norm_rope == {"rms_norm": 61, "rope": 30, "rope_tables": 1}
     norms = [m for _, m in loaded[True].model.named_modules() if isinstance(m, (nn.RMSNorm, PrimitiveRMSNorm))]
     assert len(norms) == 61 and all(type(m) is PrimitiveRMSNorm for m in norms)
-    # float32 rounding through 30 layers: logits of ~20 agree to ~1e-4 relative.
-    np.testing.assert_allclose(logits[True], logits[False], atol=2e-3, rtol=1e-4)
+    # float32 rounding through 30 layers: logits of ~20 agree to ~1e-4 relative (measured
+    # 2026-11-26, attention kernel with 64-key softmax steps: largest difference 2.8e-3,
+    # on 39 of 4.5M logits; 1.9e-3 before that kernel change).
+    np.testing.assert_allclose(logits[True], logits[False], atol=4e-3, rtol=1e-4)
     assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
 
 
