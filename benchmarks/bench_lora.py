@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -39,7 +37,6 @@ sys.path.insert(0, str(HERE))
 
 import bench_serving as bs  # noqa: E402
 import convert_fp32  # noqa: E402
-import roofline as roofline_mod  # noqa: E402
 import serving_results  # noqa: E402
 import sonnet_dataset  # noqa: E402
 
@@ -71,11 +68,6 @@ def make_adapters(model_dir: Path, out: Path) -> dict[str, str]:
                     p.copy_(0.02 * torch.randn(p.shape, generator=gen))
         wrapped.save_pretrained(str(path))
     return {k: str(v) for k, v in paths.items()}
-
-
-def isa() -> str:
-    flags = set(roofline_mod.cpu_flags())
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
 
 
 def run_one(system: str, mode: str, concurrency: int, num_prompts: int, args, model: str, adapters: dict,
@@ -169,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render-only", type=Path, metavar="LORA_JSON", help="rewrite the docs table from a run's JSON")
     args = ap.parse_args(argv)
     if args.render_only:
-        write_docs(args.docs, render(json.loads(args.render_only.read_text())))
+        bs.write_block(args.docs, render(json.loads(args.render_only.read_text())), BEGIN, END)
         return 0
     if args.quick:
         args.num_prompts, args.output_len, args.concurrency, args.no_docs = [2], 8, [1], True
@@ -200,30 +192,16 @@ def main(argv=None) -> int:
             for mode in modes:
                 runs.append(run_one(system, mode, concurrency, num_prompts, args, str(model_dir), adapters,
                                     dataset, warmup, run_dir))
-    report = {"meta": {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(), "isa": isa(),
-                       "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": bs.plugin_revision(),
-                       "versions": bs.versions(), "model_dir": str(model_dir), "adapters": adapters, "rank": RANK,
-                       "dataset": sonnet_dataset.summary(prompts), "output_len": args.output_len,
-                       "concurrency": args.concurrency, "num_prompts": args.num_prompts,
-                       "command": shlex.join(["benchmarks/bench_lora.py", *(argv or sys.argv[1:])]),
-                       "run_dir": str(run_dir), "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()},
-              "runs": runs}
+    meta = bs.run_meta("benchmarks/bench_lora.py", list(argv or sys.argv[1:]), started)
+    meta.update({"model_dir": str(model_dir), "adapters": adapters, "rank": RANK,
+                 "dataset": sonnet_dataset.summary(prompts), "output_len": args.output_len,
+                 "concurrency": args.concurrency, "num_prompts": args.num_prompts, "run_dir": str(run_dir)})
+    report = {"meta": meta, "runs": runs}
     table = render(report)
     print(table)
     if not args.no_docs:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        write_docs(args.docs, table)
+        bs.publish(report, table, args.out, args.docs, BEGIN, END)
     return 0
-
-
-def write_docs(docs: Path, table: str) -> None:
-    text = docs.read_text()
-    if BEGIN not in text:
-        print(f"{docs} has no {BEGIN} block: table not written there")
-        return
-    head, rest = text.split(BEGIN, 1)
-    docs.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

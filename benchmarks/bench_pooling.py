@@ -31,7 +31,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -195,15 +194,6 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(docs: Path, table: str) -> None:
-    text = docs.read_text()
-    if BEGIN not in text:
-        print(f"{docs} has no {BEGIN} block: table not written there")
-        return
-    head, rest = text.split(BEGIN, 1)
-    docs.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -225,11 +215,11 @@ def main(argv=None) -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         print(json.dumps(worker(args.worker, str(args.model), args.lens, args.batches, args.tokens, args.vocab)))
         return 0
-    if args.render_only:
-        write_docs(args.docs, render(json.loads(args.render_only.read_text())))
-        return 0
     import bench_serving as bs
-    import roofline as roofline_mod
+
+    if args.render_only:
+        bs.write_block(args.docs, render(json.loads(args.render_only.read_text())), BEGIN, END)
+        return 0
 
     if args.quick:
         args.models, args.lens, args.tokens = "bert-base", [32], 256
@@ -254,21 +244,14 @@ def main(argv=None) -> int:
             else:
                 record["points"] = json.loads(proc.stdout.strip().splitlines()[-1])
             runs.append(record)
-    flags = set(roofline_mod.cpu_flags())
-    report = {"meta": {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(),
-                       "isa": "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine(),
-                       "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": bs.plugin_revision(),
-                       "versions": bs.versions(), "models": {k: str(v) for k, v in models.items()},
-                       "lens": args.lens, "batches": args.batches, "tokens_per_point": args.tokens,
-                       "command": shlex.join(["benchmarks/bench_pooling.py", *(argv or sys.argv[1:])]),
-                       "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()},
-              "runs": runs}
+    meta = bs.run_meta("benchmarks/bench_pooling.py", list(argv or sys.argv[1:]), started)
+    meta.update({"models": {k: str(v) for k, v in models.items()}, "lens": args.lens, "batches": args.batches,
+                 "tokens_per_point": args.tokens})
+    report = {"meta": meta, "runs": runs}
     table = render(report)
     print(table)
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        write_docs(args.docs, table)
+        bs.publish(report, table, args.out, args.docs, BEGIN, END)
     return 0
 
 

@@ -308,6 +308,37 @@ def versions() -> dict:
     return out
 
 
+def isa() -> str:
+    flags = set(roofline_mod.cpu_flags())
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
+
+
+def run_meta(script: str, argv: list[str], started: dt.datetime) -> dict:
+    """What every benchmark's raw JSON says about its run: when, on what CPU, from which
+    commit, with which versions, the command, how long it took."""
+    return {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(), "isa": isa(),
+            "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": plugin_revision(),
+            "versions": versions(), "command": shlex.join([script, *argv]),
+            "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()}
+
+
+def publish(report: dict, table: str, out: Path, docs: Path, begin: str, end: str) -> None:
+    """Writes a benchmark's raw JSON and replaces its generated block in docs (between the
+    `begin` and `end` markers) by `table`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_block(docs, table, begin, end)
+
+
+def write_block(docs: Path, table: str, begin: str, end: str) -> None:
+    text = docs.read_text()
+    if begin not in text:
+        print(f"{docs} has no {begin} block: table not written there")
+        return
+    head, rest = text.split(begin, 1)
+    docs.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
+
+
 def plugin_revision() -> str | None:
     """The commit the plugin was served from, '+dirty' if its sources have local changes."""
     try:

@@ -15,6 +15,8 @@ scripts/setup.sh
 export CI=${CI:-1}
 workers=${VLLM_METAL_TEST_WORKERS:-2}
 parallel=()
-[[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile)
+# --no-loadscope-reorder: files in collection order (tests/conftest.py puts the longest first)
+# instead of xdist's order by test count.
+[[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 # (${a[@]+...}: bash 3.2, macOS's, calls an empty array unbound under set -u.)
 exec .venv/bin/python -m pytest tests -q -ra --durations=10 ${parallel[@]+"${parallel[@]}"} "$@"
