@@ -36,6 +36,7 @@ LONG_FILES = (
     "tests/engine/test_serve.py",
     "tests/engine/test_prompt_logprobs.py",
     "tests/pooling/test_pooling_families.py",
+    "tests/reliability/test_option_fuzz.py",
 )
 
 
