@@ -41,6 +41,10 @@ LONG_FILES = (
 
 
 def pytest_collection_modifyitems(config, items):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    missing = [f for f in LONG_FILES if not os.path.exists(os.path.join(root, f))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONG_FILES names missing files: {missing}")
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))  # stable
 

@@ -135,6 +135,17 @@ inline void accumulate_values_rows(float* acc, int64_t acc_stride, const float* 
   }
 }
 
+// accumulate_values_rows<n> for n = 1 .. kValueRowBlock rows.
+inline void accumulate_values_n(int n, float* acc, int64_t acc_stride, const float* w, int64_t w_stride,
+                                const float* v, int64_t stride, int lo, int hi, int dvp) {
+  switch (n) {
+    case 4: accumulate_values_rows<4>(acc, acc_stride, w, w_stride, v, stride, lo, hi, dvp); break;
+    case 3: accumulate_values_rows<3>(acc, acc_stride, w, w_stride, v, stride, lo, hi, dvp); break;
+    case 2: accumulate_values_rows<2>(acc, acc_stride, w, w_stride, v, stride, lo, hi, dvp); break;
+    default: accumulate_values_rows<1>(acc, acc_stride, w, w_stride, v, stride, lo, hi, dvp); break;
+  }
+}
+
 // kt[d * kp + i] = rows[i][d] for i < 16, d < D: sixteen float32 key rows
 // (absent ones point at zeros) transposed into key-across-lanes columns,
 // in registers where the instruction set allows.

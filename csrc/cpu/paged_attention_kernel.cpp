@@ -36,6 +36,7 @@
 #include "cpu/simd.h"
 #include "cpu/paged_attention_blocks.h"
 #include "cpu/paged_attention_kernel.h"
+#include "cpu/paged_attention_softmax.h"
 #include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
 
@@ -48,7 +49,6 @@ namespace vllm_metal::cpu {
 namespace {
 
 constexpr int kPartition = 512;   // keys per partition (multiple of any block size)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One independent piece of work.
 struct Unit {
@@ -59,28 +59,7 @@ struct Unit {
   int64_t partial_offset;    // -1: write rows to out; else offset into partials
 };
 
-// Running softmax state of one query row over some set of keys.
-struct RowState {
-  float m, l;  // max score and sum of exp(score - m)
-};
-
 inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
-
-// Merges state (m2, l2, acc2) into (m1, l1, acc1); the one combine rule used
-// for partitions (in place or from partials).
-inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2, int n) {
-  if (s2.l == 0.0f && s2.m == kNegInf) {
-    return;
-  }
-  float m = std::max(s1.m, s2.m);
-  float a = std::exp(s1.m - m);
-  float b = std::exp(s2.m - m);
-  s1.l = s1.l * a + s2.l * b;
-  s1.m = m;
-  for (int d = 0; d < n; ++d) {
-    acc1[d] = acc1[d] * a + acc2[d] * b;
-  }
-}
 
 // Keys per softmax step: whole 16- or 32-key blocks are scored and reduced
 // four or two at a time (the per-step work of a row, its max, rescale and
@@ -305,7 +284,6 @@ class CpuPagedAttention {
       return;
     }
     const int32_t* table = bt_ + u.seq * g_.bt_st[0];
-    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     // Steps over absolute, aligned key ranges [c0, c0 + chunk_) (a partition
     // is a whole number of them); lane i of a step is key c0 + i.
     for (int c0 = key_lo / chunk_ * chunk_; c0 < key_hi; c0 += chunk_) {
@@ -335,7 +313,8 @@ class CpuPagedAttention {
         sc.lo[r] = lo;
         sc.hi[r] = hi;
         if (lo < hi) {
-          softmax_update(&sc.scores[r * kp_], ng, lo, hi, lane, sc.part_state[r], &sc.part_acc[r * dvp_]);
+          online_softmax_step(&sc.scores[r * kp_], ng, lo, hi, p_.scale, p_.softcap, sc.part_state[r],
+                              &sc.part_acc[r * dvp_], dvp_);
         }
       }
       // The values, into rows with the same keys kValueRowBlock at a time.
@@ -360,62 +339,8 @@ class CpuPagedAttention {
       const ValueSegment& g = sc.seg[j];
       const int a0 = std::max(lo, g.off) - g.off, a1 = std::min(hi, g.off + g.n) - g.off;
       if (a0 >= a1) continue;
-      switch (n) {
-        case 4:
-          if constexpr (kValueRowBlock >= 4) {
-            accumulate_values_rows<4>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
-            break;
-          }
-          [[fallthrough]];
-        case 3:
-          if constexpr (kValueRowBlock >= 3) {
-            accumulate_values_rows<3>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
-            break;
-          }
-          [[fallthrough]];
-        case 2:
-          accumulate_values_rows<2>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
-          break;
-        default:
-          accumulate_values_rows<1>(acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
-      }
+      accumulate_values_n(n, acc, dvp_, w + g.off, kp_, g.v, g.stride, a0, a1, dvp_);
     }
-  }
-
-  // Online-softmax step of one row over the lanes [lo, hi) of a step (its
-  // scores in s, ng vectors of them; lanes outside are masked, whatever they
-  // hold): s becomes the weights, acc is rescaled; accumulate_step adds the
-  // values.
-  void softmax_update(float* s, int ng, int lo, int hi, vf lane, RowState& st, float* acc) {
-    const vf neg_inf = vf{} + kNegInf;
-    const bool whole = lo == 0 && hi == ng * kLanes;  // no key of the groups masked
-    vf vmax = neg_inf;
-    for (int g = 0; g < ng; ++g) {
-      vf x = vload(s + g * kLanes) * p_.scale;
-      if (p_.softcap > 0.0f) {
-        for (int j = 0; j < kLanes; ++j) x[j] = p_.softcap * std::tanh(x[j] / p_.softcap);
-      }
-      if (!whole) {
-        const vf idx = lane + static_cast<float>(g * kLanes);
-        x = (idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)) ? x : neg_inf;
-      }
-      vstore(s + g * kLanes, x);
-      vmax = vmax > x ? vmax : x;
-    }
-    const float m = std::max(st.m, hmax(vmax));
-    const float a = std::exp(st.m - m);
-    if (a != 1.0f) {
-      for (int c = 0; c < dvp_; c += kLanes) vstore(acc + c, vload(acc + c) * a);
-    }
-    vf vsum = {};
-    for (int g = 0; g < ng; ++g) {
-      vf x = vload(s + g * kLanes);
-      vf e = vexp(x - m);
-      if (!whole) e = x == neg_inf ? vf{} : e;
-      vstore(s + g * kLanes, e);
-      vsum += e;
-    }
-    st = {m, st.l * a + hsum(vsum)};
   }
 
   // Normalises a row's finished state and stores it. The sink, if any, is

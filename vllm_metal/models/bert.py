@@ -96,14 +96,16 @@ class EncoderBatch:
 
 
 def attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, batch: EncoderBatch, scale: float,
-              window: int | None = None) -> mx.array:
+              window: int | None = None, one_row_each: bool = False) -> mx.array:
     """Bidirectional attention of packed [tokens, heads, head_dim] query rows
     over their prompt's keys (`batch.cache` / `batch.split_qkv` layout; keys
     less than `window` positions away, when given), through the
     paged-attention primitive's non-causal mode. Returns packed
-    [tokens, heads * head_dim]."""
-    out = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                              batch.cu_seqlens, scale=scale, sliding_window=window, causal=False)
+    [rows, heads * head_dim]. `one_row_each`: q holds one row per prompt
+    (with no window a row's keys do not depend on its position)."""
+    cu = mx.arange(batch.num_seqs + 1, dtype=mx.int32) if one_row_each else batch.cu_seqlens
+    out = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, cu,
+                              scale=scale, sliding_window=window, causal=False)
     return out.reshape(out.shape[0], -1)
 
 
@@ -119,25 +121,17 @@ class BertLayer(nn.Module):
         self.mlp_norm = LayerNorm(hidden, eps=eps)
         self.act = act
 
-    def __call__(self, h: mx.array, batch: EncoderBatch) -> mx.array:
+    def __call__(self, h: mx.array, batch: EncoderBatch, keep: mx.array | None = None) -> mx.array:
+        """The layer's output for every packed row, or with `keep` (one row
+        per prompt, in prompt order) for those rows only: every row's keys
+        and values, the kept rows' queries, attention output and MLP (the
+        same rows as the full layer's: the attention is batch-invariant)."""
         q, k, v = batch.split_qkv(self.qkv(h), self.heads)
-        a = attention(q, k, v, batch, self.head_dim ** -0.5)
+        if keep is not None:
+            q, h = q[keep], h[keep]
+        a = attention(q, k, v, batch, self.head_dim ** -0.5, one_row_each=keep is not None)
         h = self.attn_norm(h + self.attn_out(a))
         return self.mlp_norm(h + self.down(self.act(self.up(h))))
-
-    def rows(self, h: mx.array, batch: EncoderBatch, keep: mx.array) -> mx.array:
-        """The layer's output for the packed rows `keep` only (one per
-        prompt, in prompt order), [len(keep), hidden]: every row's keys and
-        values, the kept rows' queries, attention output and MLP. The rows
-        are the same as the full layer's (attention is batch-invariant and
-        position-free here: no window)."""
-        q, k, v = batch.split_qkv(self.qkv(h), self.heads)
-        one_each = mx.arange(batch.num_seqs + 1, dtype=mx.int32)
-        a = ops.paged_attention(q[keep], k, v, batch.block_tables, batch.seq_lens, one_each,
-                                scale=self.head_dim ** -0.5, causal=False)
-        hk = h[keep]
-        hk = self.attn_norm(hk + self.attn_out(a.reshape(a.shape[0], -1)))
-        return self.mlp_norm(hk + self.down(self.act(self.up(hk))))
 
 
 class BertEncoder(nn.Module):
@@ -167,7 +161,7 @@ class BertEncoder(nn.Module):
         h = self.embed_norm(h + self.token_type_embeddings(types))
         for layer in self.layers[:-1]:
             h = layer(h, batch)
-        return self.layers[-1](h, batch) if keep is None else self.layers[-1].rows(h, batch, keep)
+        return self.layers[-1](h, batch, keep)
 
 
 def bert_weights(hf: dict[str, mx.array], num_layers: int) -> dict[str, mx.array]:
