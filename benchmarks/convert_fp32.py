@@ -26,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _weights_digest(src: Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(src.glob("*.safetensors")):
+    for path in sorted([*src.glob("*.safetensors"), *src.glob("*.gguf")]):
         h.update(path.name.encode())
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
@@ -55,7 +55,10 @@ def convert(src: Path, out: Path, force: bool = False) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model, load_model
 
-    model, _ = load_model(src, lazy=False)
+    from vllm_metal.formats.checkpoint import build_model, open_checkpoint
+
+    checkpoint = open_checkpoint(src)  # an MLX directory, or the default model's GGUF
+    model = load_model(src, lazy=False)[0] if checkpoint.native else build_model(checkpoint)[0]
     model = dequantize_model(model)
     weights = {name: value.astype(mx.float32) for name, value in tree_flatten(model.parameters())}
     mx.eval(weights)

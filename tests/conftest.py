@@ -51,10 +51,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    """The embedded default model (SmolLM2-135M-Instruct), converted once per session."""
+    """The embedded default model (SmolLM2-135M-Instruct): its GGUF with config and
+    tokenizer beside it, built once per session (served straight from the GGUF)."""
     from vllm_metal.formats.default_model import ensure_default_model
 
     return ensure_default_model(str(tmp_path_factory.mktemp("model") / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def mlx_model_dir(model_dir, tmp_path_factory) -> str:
+    """The default model's weights as an MLX-format directory (model.safetensors),
+    for references that read only that format (mlx-lm's own loader)."""
+    from vllm_metal.formats.default_model import export_mlx
+
+    return export_mlx(model_dir, tmp_path_factory.mktemp("model-mlx") / "SmolLM2-135M-Instruct")
 
 
 @pytest.fixture

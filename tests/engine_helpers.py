@@ -40,3 +40,37 @@ def greedy(llm, prompts, max_tokens=32):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+def paged_run(loaded, prompt: list[int], num_tokens: int, chunk: int = 64, block: int = 16) -> tuple[np.ndarray, list[int]]:
+    """Log-softmax rows (float64) for prompt[1:] and each greedy token, and
+    the tokens, from `LoadedModel.forward` (the step the model runner
+    evaluates): the prompt in chunks, then greedy decode steps."""
+    import mlx.core as mx
+    import numpy as np
+
+    from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
+
+    windows = sorted(set(loaded.sliding_windows), key=lambda w: w or 0)
+    layer_group = [windows.index(w) for w in loaded.sliding_windows]
+    block_sizes = [block] * len(windows)
+    kv = loaded.allocate_kv(1 + (len(prompt) + num_tokens) // block + 1, block_sizes, layer_group)
+    blocks = list(range(1, kv.keys[0].shape[0]))  # block 0 stays the null block
+    rows, tokens, done = [], [], 0
+    sequence = list(prompt)
+    while len(tokens) < num_tokens:
+        new = sequence[done:done + chunk]
+        inputs = build_step_inputs([ScheduledRow(new, done, [blocks] * len(windows))], block_sizes)
+        logits = loaded.forward(kv, inputs, np.arange(len(new)))
+        mx.eval(logits, kv.keys, kv.values)
+        lp = np.array(logits).astype(np.float64)
+        lp -= lp.max(axis=-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
+        done += len(new)
+        if done < len(sequence):  # a chunk of the prompt: every row predicts the next prompt token
+            rows.append(lp)
+            continue
+        rows.append(lp if len(new) > 1 else lp[-1:])
+        tokens.append(int(np.argmax(lp[-1])))
+        sequence.append(tokens[-1])
+    return np.concatenate(rows)[: len(prompt) - 1 + num_tokens], tokens

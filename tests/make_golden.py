@@ -45,12 +45,15 @@ def mlx_lm_greedy(model_dir: str, prompt_ids: list[list[int]], num_tokens: int =
 def main():
     from transformers import AutoTokenizer
 
-    from vllm_metal.formats.default_model import ensure_default_model
+    import tempfile
+
+    from vllm_metal.formats.default_model import ensure_default_model, export_mlx
 
     model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
-    outputs = mlx_lm_greedy(model_dir, prompt_ids)
+    with tempfile.TemporaryDirectory() as tmp:  # mlx-lm's own loader reads the MLX format
+        outputs = mlx_lm_greedy(export_mlx(model_dir, tmp), prompt_ids)
     golden = [dict(prompt=p, prompt_ids=i, greedy_ids=o) for p, i, o in zip(PROMPTS, prompt_ids, outputs)]
     (Path(__file__).parent / "golden_tokens.json").write_text(json.dumps(golden, indent=1) + "\n")
 

@@ -22,11 +22,11 @@ BUDGET = 64  # max_num_batched_tokens of the chunked engine
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def reference(mlx_model_dir):
     """prompt -> float64 log-softmax rows [len - 1, vocab] of mlx-lm's forward."""
     from mlx_lm.utils import dequantize_model, load_model
 
-    model, _ = load_model(Path(model_dir))
+    model, _ = load_model(Path(mlx_model_dir))
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
 

@@ -32,13 +32,13 @@ def test_top_k_1_is_greedy_and_chunked_prefill_changes_nothing(llm):
     assert list(out.outputs[0].token_ids) == GREEDY
 
 
-def test_prompt_logprobs_match_the_model_across_chunks(llm, model_dir):
+def test_prompt_logprobs_match_the_model_across_chunks(llm, mlx_model_dir):
     out = generate(llm, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     got = np.array([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]])
     # Independent: mlx-lm's own forward over the whole prompt at once, fp32.
     from mlx_lm.utils import dequantize_model, load_model
 
-    model, _ = load_model(Path(model_dir))
+    model, _ = load_model(Path(mlx_model_dir))
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
     logits = model(mx.array(PROMPT)[None])[0, :-1].astype(mx.float32)
@@ -73,11 +73,11 @@ def test_stop_strings_and_tokens(llm):
 
 
 @pytest.fixture(scope="module")
-def reference_logits(model_dir):
+def reference_logits(mlx_model_dir):
     """tokens -> float64 logits of mlx-lm's own forward (row i predicts token i + 1)."""
     from mlx_lm.utils import dequantize_model, load_model
 
-    model, _ = load_model(Path(model_dir))
+    model, _ = load_model(Path(mlx_model_dir))
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
     return lambda tokens: np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)

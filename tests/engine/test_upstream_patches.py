@@ -105,3 +105,32 @@ def test_lora_patch_maps_only_refusals_to_400(message, status, monkeypatch):
     assert result.error.code == status
     assert message.split("failed: ")[1] in result.error.message
     assert models.lora_requests == {}
+
+
+def test_gguf_patch_targets_the_pinned_vllm_without_gguf_support():
+    # Fails when vLLM detects GGUF models again: re-examine the patch then.
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils import config as vllm_config
+
+    from vllm_metal.formats.default_model import gguf_path
+
+    assert upstream_patches.GGUF_UPSTREAM.startswith(f"vllm=={versions.VLLM}:")
+    assert "gguf" not in inspect.getsource(vllm_config.get_config).lower()
+    create = getattr(EngineArgs.create_model_config, "__wrapped__", EngineArgs.create_model_config)
+    with pytest.raises(Exception, match="Invalid repository ID or local directory"):
+        create(EngineArgs(model=str(gguf_path())))
+
+
+def test_gguf_patch_routes_a_gguf_model_to_its_parser(tmp_path, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_metal.formats.default_model import gguf_path
+
+    monkeypatch.setenv("VLLM_METAL_CACHE_DIR", str(tmp_path))
+    upstream_patches.patch_gguf_model_args()
+    assert upstream_patches.patch_gguf_model_args() is False  # idempotent
+    config = EngineArgs(model=str(gguf_path()), max_model_len=512).create_model_config()
+    assert config.architectures == ["LlamaForCausalLM"] and config.hf_config.num_key_value_heads == 3
+    assert config.tokenizer.startswith(str(tmp_path / "gguf-tokenizers"))
+    with pytest.raises(ValueError, match="no tokenizer files"):  # a --tokenizer without a tokenizer
+        EngineArgs(model=str(gguf_path()), tokenizer=str(tmp_path)).create_model_config()

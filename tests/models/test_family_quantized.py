@@ -17,45 +17,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import GOLDEN
+from engine_helpers import GOLDEN, paged_run
 from families import FAMILIES, build, reference_logprobs
 
 from vllm_metal.models.loader import load_model
 from vllm_metal.models.registry import QUANT_FORMATS, SERVED, quant_format
-from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
 
 PROMPT = GOLDEN[-1]["prompt_ids"][40:140]  # 100 tokens: two chunks, past every test window
-CHUNK = 64
-BLOCK = 16
 NUM_TOKENS = 4
 TOL = 1e-3
-
-
-def paged_run(loaded, prompt: list[int], num_tokens: int) -> tuple[np.ndarray, list[int]]:
-    """Log-softmax rows (float64) for prompt[1:] and each greedy token, and the tokens."""
-    windows = sorted(set(loaded.sliding_windows), key=lambda w: w or 0)
-    layer_group = [windows.index(w) for w in loaded.sliding_windows]
-    block_sizes = [BLOCK] * len(windows)
-    kv = loaded.allocate_kv(1 + (len(prompt) + num_tokens) // BLOCK + 1, block_sizes, layer_group)
-    blocks = list(range(1, kv.keys[0].shape[0]))  # block 0 stays the null block
-    rows, tokens, done = [], [], 0
-    sequence = list(prompt)
-    while len(tokens) < num_tokens:
-        new = sequence[done:done + CHUNK]
-        inputs = build_step_inputs([ScheduledRow(new, done, [blocks] * len(windows))], block_sizes)
-        logits = loaded.forward(kv, inputs, np.arange(len(new)))
-        mx.eval(logits, kv.keys, kv.values)
-        lp = np.array(logits).astype(np.float64)
-        lp -= lp.max(axis=-1, keepdims=True)
-        lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
-        done += len(new)
-        if done < len(sequence):  # a chunk of the prompt: every row predicts the next prompt token
-            rows.append(lp)
-            continue
-        rows.append(lp if len(new) > 1 else lp[-1:])
-        tokens.append(int(np.argmax(lp[-1])))
-        sequence.append(tokens[-1])
-    return np.concatenate(rows)[: len(prompt) - 1 + num_tokens], tokens
 
 
 def test_matrix_covers_every_format():

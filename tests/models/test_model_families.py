@@ -33,8 +33,8 @@ def mlx_lm_greedy(model_dir, dtype=mx.float32, dequantize=False):
 
 
 @pytest.fixture(scope="module")
-def weights(model_dir):
-    return float32_weights(model_dir)
+def weights(mlx_model_dir):
+    return float32_weights(mlx_model_dir)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -47,13 +47,13 @@ def test_half_precision_matches_mlx_lm(model_dir, weights, tmp_path, dtype):
     assert tokens == mlx_lm_greedy(variant, dtype=getattr(mx, dtype))
 
 
-def test_mlx_quantized_weights_kept_quantized(model_dir, monkeypatch):
-    # The embedded model is MLX 4-bit (8-bit embeddings); served without
-    # expanding the weights it must match mlx-lm on the quantized model.
+def test_mlx_quantized_weights_kept_quantized(model_dir, mlx_model_dir, monkeypatch):
+    # The embedded model's GGUF is Q4_1 (Q8_0 embedding), kept as MLX 4-bit / 8-bit;
+    # served without expanding the weights it must match mlx-lm on the MLX-format copy.
     monkeypatch.setenv("VLLM_METAL_DEQUANTIZE", "0")
     with engine(model_dir) as llm:
         tokens, _ = greedy(llm, PROMPTS, NUM_TOKENS)
-    assert tokens == mlx_lm_greedy(model_dir)
+    assert tokens == mlx_lm_greedy(mlx_model_dir)
 
 
 def test_unknown_architecture_is_a_clear_error(model_dir, tmp_path):

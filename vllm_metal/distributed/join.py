@@ -37,12 +37,16 @@ class Joined:
 def model_digest(model: str) -> str:
     """What identifies the model's files without reading the weights: the
     config and the weight files' names and sizes (paths may differ between
-    hosts; contents that differ in size or config are caught)."""
+    hosts; contents that differ in size or config are caught). A GGUF
+    checkpoint: its file's name and size, and the config beside it if any."""
+    from vllm_metal.formats.gguf_checkpoint import find_gguf
     from vllm_metal.formats.model_dir import resolve_model_dir
 
-    path = resolve_model_dir(model)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    gguf = find_gguf(model)
+    path = gguf.parent if gguf is not None else resolve_model_dir(model)
+    config = path / "config.json"
+    h = hashlib.sha256(config.read_bytes() if config.exists() else b"")
+    for f in [gguf] if gguf is not None else sorted(path.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:16]
 

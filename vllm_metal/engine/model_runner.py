@@ -112,7 +112,8 @@ class MetalModelRunner:
         start = time.perf_counter()
         self.mlx_model = load_model(self.model_config.model, dtype=dtype, dequantize=dequantize,
                                     fuse=fuse_projections_enabled(self.device),
-                                    norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel)
+                                    norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel,
+                                    config_path=self.model_config.hf_config_path)
         m = self.mlx_model
         lora = getattr(self.vllm_config, "lora_config", None)
         if lora is not None:

@@ -200,6 +200,14 @@ class MetalPlatform(Platform):
         gate_config(vllm_config)
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Runs before vLLM builds a config (and its CLI parser): GGUF
+        checkpoints get their config parser and tokenizer (upstream_patches)."""
+        from vllm_metal.engine.upstream_patches import patch_gguf_model_args
+
+        patch_gguf_model_args()
+
+    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         """Forces our worker and turns CUDA-only features off. Idempotent: vLLM
         calls it in the API process and again in the engine process."""

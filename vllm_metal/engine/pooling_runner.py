@@ -45,7 +45,8 @@ class PoolingSide:
             head_weights, head_rows = self.encoder.head_weights, None
         else:
             runner.mlx_model = load_model(model_config.model, dtype=dtype, dequantize=dequantize, fuse=fuse,
-                                          norm_rope=norm_rope, pooling=True)
+                                          norm_rope=norm_rope, pooling=True,
+                                          config_path=model_config.hf_config_path)
             head_weights = runner.mlx_model.head_weights
             head_rows = runner.mlx_model.head_rows
         weights = {k: v for k, v in head_weights.items() if k.startswith(("score.", "pooler.", "classifier.", "head."))}

@@ -1,4 +1,4 @@
-"""The one place vllm-metal changes upstream behaviour at run time: two patches.
+"""The one place vllm-metal changes upstream behaviour at run time: three patches.
 
 1. Targets vLLM 0.33.0 (and torch 2.14): `vllm.distributed.parallel_state.
 cleanup_dist_env_and_memory`, run when the engine core shuts down, calls
@@ -14,6 +14,14 @@ torch sees MPS as its accelerator, and nothing is replaced.
 2. `/v1/load_lora_adapter` (and `--lora-modules`) answers every engine error
 but "not found" with HTTP 500; an adapter this plugin refuses (a bad file, a
 rank above --max-lora-rank, ...) is the client's error: 400 (patch_lora_load_status).
+
+3. vLLM 0.33 dropped its GGUF support: `--model x.gguf` fails config
+detection ("no config.json"), and a tokenizer cannot be loaded from the file.
+`EngineArgs.create_model_config` is wrapped (patch_gguf_model_args) so that a
+GGUF model (a file, or a directory holding one and no config.json) is parsed
+by vllm-metal's registered config parser (config_format "gguf", a public vLLM
+extension point: formats/gguf_vllm.py) and, without --tokenizer, tokenized by
+the GGUF's own vocabulary converted once to a tokenizer directory.
 
 tests/engine/test_upstream_patches.py fails when vLLM's code stops doing what
 each patch answers, so the patches are re-examined on upgrades.
@@ -73,4 +81,44 @@ def patch_lora_load_status() -> bool:
     load_lora_adapter._vllm_metal_patched = True
     load_lora_adapter.__wrapped__ = original
     cls.load_lora_adapter = load_lora_adapter
+    return True
+
+
+GGUF_UPSTREAM = "vllm==0.33.0: vllm.engine.arg_utils.EngineArgs.create_model_config (no GGUF detection)"
+
+
+def patch_gguf_model_args() -> bool:
+    """Routes a GGUF --model to the "gguf" config parser and its own
+    tokenizer. Returns whether it patched now (False: already patched)."""
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_metal.formats import gguf_checkpoint, gguf_vllm
+
+    gguf_vllm.register_config_parser()
+    original = EngineArgs.create_model_config
+    if getattr(original, "_vllm_metal_patched", False):
+        return False
+
+    def create_model_config(self, *args, **kwargs):
+        gguf = gguf_checkpoint.find_gguf(self.model) if isinstance(self.model, str) else None
+        if gguf is not None:
+            config_dir = Path(self.hf_config_path or self.model).expanduser()
+            if self.config_format == "auto" and not (config_dir / "config.json").exists():
+                self.config_format = gguf_vllm.CONFIG_FORMAT
+            given = Path(self.tokenizer).expanduser() if self.tokenizer and self.tokenizer != self.model else None
+            if given is None:
+                here = Path(self.model).expanduser()
+                if not (here.is_dir() and gguf_vllm.has_tokenizer(here)):
+                    self.tokenizer = gguf_vllm.tokenizer_dir(gguf)  # the GGUF's own vocabulary
+            elif given.exists() and not (given.is_dir() and gguf_vllm.has_tokenizer(given)):
+                raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer files "
+                                 f"({', '.join(gguf_vllm.TOKENIZER_FILES)}) there; give the model's tokenizer "
+                                 "directory, or leave --tokenizer out to use the GGUF's own vocabulary")
+        return original(self, *args, **kwargs)
+
+    create_model_config._vllm_metal_patched = True
+    create_model_config.__wrapped__ = original
+    EngineArgs.create_model_config = create_model_config
     return True

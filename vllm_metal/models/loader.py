@@ -16,7 +16,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from vllm_metal.distributed.plan import ParallelPlan  # noqa: E402
-from vllm_metal.formats.model_dir import _model_type, resolve_model_dir  # noqa: E402
+from vllm_metal.formats.checkpoint import build_model, open_checkpoint  # noqa: E402
 from vllm_metal.models.attention_adapter import PagedAttentionLayer, check_rope  # noqa: E402
 from vllm_metal.models.cpu_norm_rope import use_cpu_norm_rope  # noqa: E402
 from vllm_metal.models.fused_projections import fuse_projections  # noqa: E402
@@ -42,8 +42,11 @@ def _has_quantized(model: nn.Module) -> bool:
 
 def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool = False,
                materialize: bool = True, fuse: bool = False, norm_rope: bool = False,
-               parallel: ParallelPlan | None = None, pooling: bool = False) -> LoadedModel:
-    """Load `model_dir` (an mlx-lm directory) for the paged path.
+               parallel: ParallelPlan | None = None, pooling: bool = False,
+               config_path: str | None = None) -> LoadedModel:
+    """Load `model_dir` (an mlx-lm / Hugging Face directory, a GGUF file or
+    a directory holding one, an AWQ / GPTQ directory: formats/checkpoint.py)
+    for the paged path. config_path: vLLM's --hf-config-path.
 
     dtype: activations / KV cache / unquantized weights. dequantize: expand
     MLX-quantized weights to `dtype` (MLX's CPU quantized matmul is far slower
@@ -65,16 +68,19 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    path = resolve_model_dir(str(model_dir))
+    checkpoint = open_checkpoint(model_dir, config_path)
     head_weights: dict = {}
-    check_served(_model_type(path))  # before building anything: one message naming the family
+    check_served(checkpoint.model_type)  # before building anything: one message naming the family
+    classes = _pooling_classes(head_weights) if pooling else {}
     try:
-        model, config = mlx_lm_load_model(path, lazy=not materialize or parallel is not None,
-                                          **(_pooling_classes(head_weights) if pooling else {}))
+        if checkpoint.native:
+            model, config = mlx_lm_load_model(checkpoint.source, lazy=not materialize or parallel is not None,
+                                              model_config=checkpoint.config if config_path else None, **classes)
+        else:
+            model, config = build_model(checkpoint, **classes)
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
-        raise NotImplementedError(f"mlx-lm cannot build model type "
-                                  f"{_model_type(path)!r} from {path / 'config.json'}: "
-                                  f"{type(e).__name__}: {e}") from e
+        raise NotImplementedError(f"mlx-lm cannot build model type {checkpoint.model_type!r} from "
+                                  f"{checkpoint.source}: {type(e).__name__}: {e}") from e
     family = check_served(config.get("model_type"))
     if family.linear:
         state_writeback_mode()  # a bad VLLM_METAL_STATE_WRITEBACK is refused here, not at the first step

@@ -1,0 +1,114 @@
+"""What a checkpoint is and how its weights reach mlx-lm's model classes.
+
+Formats (Checkpoint.format):
+  "mlx"   an mlx-lm / Hugging Face directory of safetensors (float, or MLX
+          quantized): mlx-lm reads it itself (`native`);
+  "gguf"  a llama.cpp GGUF file, or a directory holding one (with or without
+          config.json and tokenizer files): formats/gguf_checkpoint.py;
+  "awq" / "gptq"  a Hugging Face directory quantized by AutoAWQ / GPTQ
+          (4-bit): repacked to MLX affine at load, formats/awq_gptq.py.
+
+`open_checkpoint` only reads the config and the file's tensor index; the
+weights are read by `Checkpoint.load_weights` when the model is built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_metal.formats import gguf_checkpoint
+from vllm_metal.formats.model_dir import resolve_model_dir
+
+
+@dataclass
+class Checkpoint:
+    source: Path  # the GGUF file, or the model directory
+    format: str
+    config: dict  # mlx-lm's config (for a non-native format: without "quantization"; load_weights says it)
+    details: dict = field(default_factory=dict)  # format facts for `vllm-metal doctor`
+
+    @property
+    def native(self) -> bool:
+        """mlx-lm loads the directory itself."""
+        return self.format == "mlx"
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def load_weights(self) -> tuple[dict, dict | None]:
+        """(mlx-lm named weights, mlx-lm "quantization" entry or None)."""
+        if self.format == "gguf":
+            weights, quant = gguf_checkpoint.load_weights(self.source, self.config)
+            return weights, gguf_checkpoint.quantization_entry(quant)
+        if self.format in ("awq", "gptq"):
+            from vllm_metal.formats import awq_gptq
+
+            return awq_gptq.load_weights(self.source, self.config)
+        raise ValueError(f"{self.source}: mlx-lm loads a {self.format} checkpoint itself")
+
+
+def _read_config(directory: Path) -> dict:
+    return json.loads((directory / "config.json").read_text())
+
+
+def open_checkpoint(model: str | Path, config_path: str | Path | None = None) -> Checkpoint:
+    """The checkpoint `model` names (a GGUF file, a directory, a hub id).
+    config_path: a directory whose config.json replaces the checkpoint's
+    (vLLM's --hf-config-path)."""
+    gguf = gguf_checkpoint.find_gguf(model)
+    if gguf is not None:
+        named_dir = Path(model).expanduser() if Path(model).expanduser().is_dir() else None
+        config_dir = Path(config_path) if config_path else named_dir
+        if config_dir is not None and (config_dir / "config.json").exists():
+            config = _read_config(config_dir)
+        elif config_path:
+            raise FileNotFoundError(f"{config_path} has no config.json")
+        else:
+            config = gguf_checkpoint.config_from_metadata(gguf)
+        config.pop("quantization", None)  # the file's tensor types say it
+        config.pop("quantization_config", None)
+        types = gguf_checkpoint.tensor_types(gguf)
+        return Checkpoint(gguf, "gguf", config, {"tensor_types": dict(types),
+                                                 "served_as": gguf_checkpoint.describe_types(types),
+                                                 "architecture": gguf_checkpoint.read_architecture(gguf)})
+    directory = resolve_model_dir(str(model))
+    config = _read_config(Path(config_path) if config_path else directory)
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method in ("awq", "gptq") and "quantization" not in config:
+        from vllm_metal.formats import awq_gptq
+
+        awq_gptq.preflight(directory, config)
+        return Checkpoint(directory, method, config, {"quantization_config": config["quantization_config"]})
+    return Checkpoint(directory, "mlx", config)
+
+
+def build_model(checkpoint: Checkpoint, get_model_classes=None):
+    """(mlx-lm model, config) of a checkpoint whose weights formats/ converts
+    (GGUF, AWQ, GPTQ), built the way mlx-lm's own load_model builds one from
+    a directory: its family's classes and sanitize, `nn.quantize` where the
+    weights carry scales, a strict load."""
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    config = dict(checkpoint.config)
+    weights, quantization = checkpoint.load_weights()
+    model_class, args_class = (get_model_classes or _get_classes)(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quantization is not None:
+        config["quantization"] = quantization
+
+        def quantized_here(path, module):
+            if path in quantization:
+                return quantization[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=quantized_here)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    return model, config
