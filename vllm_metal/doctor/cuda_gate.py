@@ -43,8 +43,16 @@ def _attention_backend(cfg) -> str | None:
     return f"--attention-backend {getattr(backend, 'name', backend)}" if backend is not None else None
 
 
+# vLLM's names for an AutoAWQ / GPTQ checkpoint (the method its config names,
+# or the kernel vLLM would pick for it): repacked to MLX affine at load
+# (formats/awq_gptq.py), not run by CUDA kernels.
+REPACKED_QUANTIZATION = ("awq", "auto_awq", "awq_marlin", "gptq", "auto_gptq", "gptq_marlin")
+
+
 def _quantization(cfg) -> str | None:
     q = cfg.model_config.quantization if cfg.model_config is not None else None
+    if q in REPACKED_QUANTIZATION:
+        return None
     return f"--quantization {q} (or the checkpoint's quantization_config)" if q else None
 
 
@@ -120,9 +128,10 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
              "warn", _attention_backend, ("VLLM_ATTENTION_BACKEND", "VLLM_TRITON_USE_TD",
                                           "VLLM_TRITON_FORCE_FIRST_CONFIG", "VLLM_HAS_FLASHINFER_CUBIN"),
              ("VLLM_FLASHINFER_",)),
-    CudaPath("quantized_kernels", "FP8 / NVFP4 / MXFP4 / Marlin / GPTQ / AWQ CUDA kernels",
+    CudaPath("quantized_kernels", "FP8 / NVFP4 / MXFP4 / Marlin / compressed-tensors CUDA kernels",
              "these weight formats run only in CUDA kernels",
-             "serve MLX-quantized (4/8-bit, e.g. `mlx_lm.convert -q`) or float16/bfloat16/float32 weights",
+             "serve MLX-quantized (4/8-bit, e.g. `mlx_lm.convert -q`), GGUF, AutoAWQ / GPTQ (repacked to MLX at "
+             "load) or float16/bfloat16/float32 weights",
              "error", _quantization,
              ("VLLM_USE_TRITON_AWQ", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
               "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_MOE_INT4"),
@@ -220,6 +229,7 @@ def gate_config(vllm_config, environ=None) -> list[str]:
     defaults. Environment variables alone only tune CUDA kernels that never
     run here, so they always just warn. Returns the warnings."""
     warnings = []
+    check_repacked_quantization(vllm_config.model_config)
     for path in CUDA_PATHS:
         option = config_request(path, vllm_config)
         if option and path.on_request == "error":
@@ -233,9 +243,30 @@ def gate_config(vllm_config, environ=None) -> list[str]:
     return warnings
 
 
+def check_repacked_quantization(model_config) -> None:
+    """An AWQ / GPTQ method is served only for an AWQ / GPTQ checkpoint this
+    repack reads (formats/awq_gptq.py's preflight names what it cannot)."""
+    method = getattr(model_config, "quantization", None)
+    if method not in REPACKED_QUANTIZATION:
+        return
+    from pathlib import Path
+
+    from vllm_metal.formats import awq_gptq
+
+    quant = getattr(model_config.hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict) or quant.get("quant_method") not in ("awq", "gptq"):
+        raise ValueError(f"--quantization {method}: vllm-metal serves AWQ / GPTQ only as the checkpoint's own "
+                         "quantization_config (repacked to MLX at load); this checkpoint has none. Serve it "
+                         "without --quantization")
+    awq_gptq.preflight(Path(model_config.model), {"quantization_config": quant})
+
+
 def reject_quantization(method: str) -> None:
     """vLLM's own quantization methods all need CUDA kernels (checked by vLLM
-    before the rest of the config, so the gate's error must come from here)."""
+    before the rest of the config, so the gate's error must come from here),
+    except AutoAWQ / GPTQ checkpoints, which vllm-metal repacks to MLX."""
+    if method in REPACKED_QUANTIZATION:
+        return
     path = next(p for p in CUDA_PATHS if p.key == "quantized_kernels")
     raise _refuse(f"--quantization {method} (or the checkpoint's quantization_config)", path)
 

@@ -85,16 +85,17 @@ def open_checkpoint(model: str | Path, config_path: str | Path | None = None) ->
     return Checkpoint(directory, "mlx", config)
 
 
-def build_model(checkpoint: Checkpoint, get_model_classes=None):
+def build_model(checkpoint: Checkpoint, get_model_classes=None, weights: tuple | None = None):
     """(mlx-lm model, config) of a checkpoint whose weights formats/ converts
     (GGUF, AWQ, GPTQ), built the way mlx-lm's own load_model builds one from
     a directory: its family's classes and sanitize, `nn.quantize` where the
-    weights carry scales, a strict load."""
+    weights carry scales, a strict load. weights: `load_weights()`'s result,
+    if read already."""
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
     config = dict(checkpoint.config)
-    weights, quantization = checkpoint.load_weights()
+    weights, quantization = weights or checkpoint.load_weights()
     model_class, args_class = (get_model_classes or _get_classes)(config)
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "sanitize"):

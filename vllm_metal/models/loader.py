@@ -72,12 +72,14 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     head_weights: dict = {}
     check_served(checkpoint.model_type)  # before building anything: one message naming the family
     classes = _pooling_classes(head_weights) if pooling else {}
+    # A converted format's weights are read first: a bad file is refused by its own message.
+    converted = None if checkpoint.native else checkpoint.load_weights()
     try:
         if checkpoint.native:
             model, config = mlx_lm_load_model(checkpoint.source, lazy=not materialize or parallel is not None,
                                               model_config=checkpoint.config if config_path else None, **classes)
         else:
-            model, config = build_model(checkpoint, **classes)
+            model, config = build_model(checkpoint, weights=converted, **classes)
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
         raise NotImplementedError(f"mlx-lm cannot build model type {checkpoint.model_type!r} from "
                                   f"{checkpoint.source}: {type(e).__name__}: {e}") from e
