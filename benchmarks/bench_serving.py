@@ -413,7 +413,7 @@ def parse_args(argv):
     return args
 
 
-def publish(report: dict, out_dir: Path, args) -> str:
+def publish_serving(report: dict, out_dir: Path, args) -> str:
     """Write serving.json / serving.md / serving.png into out_dir and the docs block."""
     if report.get("roofline"):  # derived, so --render-only picks up analysis changes
         report["roofline_rows"] = [
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render_only:
         report = json.loads(args.render_only.read_text())
-        print(publish(report, args.results_dir, args))
+        print(publish_serving(report, args.results_dir, args))
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = run_dir if args.quick else args.results_dir
     (run_dir / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
-    markdown = publish(report, out_dir, args)
+    markdown = publish_serving(report, out_dir, args)
     print(markdown)
     print(f"results: {out_dir} (logs and raw client results: {run_dir})", flush=True)
     return 1 if any("error" in r for r in runs) else 0

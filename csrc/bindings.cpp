@@ -38,6 +38,7 @@ NB_MODULE(_ext, m) {
       "sinks"_a = nb::none(),
       "v_head_dim"_a = nb::none(),
       "causal"_a = true,
+      "cache_format"_a = 0,
       "stream"_a = nb::none(),
       "Lazy paged attention over packed varlen queries (see vllm_metal.native.ops).");
 

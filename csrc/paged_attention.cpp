@@ -63,6 +63,7 @@ mx::array paged_attention(
     const std::optional<mx::array>& sinks,
     std::optional<int> v_head_dim,
     bool causal,
+    int cache_format,
     mx::StreamOrDevice s) {
   check_rank(q, "q", 3, "[num_tokens, num_heads, head_dim]");
   check_rank(key_cache, "key_cache", 4,
@@ -79,11 +80,23 @@ mx::array paged_attention(
     os << "q must be float32, float16 or bfloat16, got " << dt;
     fail(os.str());
   }
+  if (cache_format != kCacheAsQuery && cache_format != kCacheFp8E4M3 && cache_format != kCacheFp8E5M2) {
+    std::ostringstream os;
+    os << "cache_format must be 0 (the caches in q's dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2), got "
+       << cache_format;
+    fail(os.str());
+  }
+  const auto cache_dt = cache_format == kCacheAsQuery ? dt : mx::uint8;
   for (auto [a, name] : {std::pair{&key_cache, "key_cache"},
                          std::pair{&value_cache, "value_cache"}}) {
-    if (a->dtype() != dt) {
+    if (a->dtype() != cache_dt) {
       std::ostringstream os;
-      os << name << " dtype " << a->dtype() << " does not match q dtype " << dt;
+      if (cache_format == kCacheAsQuery) {
+        os << name << " dtype " << a->dtype() << " does not match q dtype " << dt;
+      } else {
+        os << name << " dtype " << a->dtype() << " must be uint8 (fp8 bit patterns) for cache_format "
+           << cache_format;
+      }
       fail(os.str());
     }
   }
@@ -192,7 +205,7 @@ mx::array paged_attention(
   }
 
   PagedAttentionParams params{
-      scale, sliding_window.value_or(0), softcap.value_or(0.0f), v_dim, causal ? 1 : 0};
+      scale, sliding_window.value_or(0), softcap.value_or(0.0f), v_dim, causal ? 1 : 0, cache_format};
   return mx::array(
       {q.shape(0), num_heads, v_dim},
       dt,

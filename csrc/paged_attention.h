@@ -29,6 +29,13 @@ namespace vllm_metal {
 
 namespace mx = mlx::core;
 
+// How the caches hold K and V: in q's dtype, or as 8-bit floats (uint8
+// arrays of the bit patterns: OCP FP8 E4M3 "fn", finite, max 448; or E5M2,
+// the top byte of a float16). An 8-bit cache is read as the stored value
+// times one per-layer scale per cache; the caller folds the key scale into
+// `scale` and applies the value scale to the output (vllm_metal.native.ops).
+enum CacheFormat : int { kCacheAsQuery = 0, kCacheFp8E4M3 = 1, kCacheFp8E5M2 = 2 };
+
 // Everything that is not an array input. sliding_window <= 0 and softcap <= 0
 // mean "off". Sinks are an array input (the 7th, when present).
 struct PagedAttentionParams {
@@ -37,6 +44,7 @@ struct PagedAttentionParams {
   float softcap;
   int v_head_dim;  // values per row read from value_cache (its first ones)
   int causal;      // 1: keys up to the row's own position; 0: the whole sequence
+  int cache_format;  // CacheFormat
 
   bool operator==(const PagedAttentionParams&) const = default;
 };
@@ -56,6 +64,7 @@ bool is_supported_block_size(int block_size);
 // Inputs (in this order): q, key_cache, value_cache, block_tables, seq_lens,
 // cu_seqlens_q[, sinks as float32]. Data-dependent checks (block ids,
 // lengths) happen at eval. value_cache may be the same array as key_cache.
+// cache_format: a CacheFormat; an 8-bit one takes uint8 caches.
 mx::array paged_attention(
     const mx::array& q,
     const mx::array& key_cache,
@@ -69,6 +78,7 @@ mx::array paged_attention(
     const std::optional<mx::array>& sinks = std::nullopt,
     std::optional<int> v_head_dim = std::nullopt,
     bool causal = true,
+    int cache_format = kCacheAsQuery,
     mx::StreamOrDevice s = {});
 
 // Invariant for every eval_* below: no encoder.add_temporary(). A temporary

@@ -42,7 +42,8 @@ def greedy(llm, prompts, max_tokens=32):
     return [list(o.outputs[0].token_ids) for o in outs], outs
 
 
-def paged_run(loaded, prompt: list[int], num_tokens: int, chunk: int = 64, block: int = 16) -> tuple[np.ndarray, list[int]]:
+def paged_run(loaded, prompt: list[int], num_tokens: int, chunk: int = 64, block: int = 16,
+              kv_cache_dtype: str = "auto") -> tuple[np.ndarray, list[int]]:
     """Log-softmax rows (float64) for prompt[1:] and each greedy token, and
     the tokens, from `LoadedModel.forward` (the step the model runner
     evaluates): the prompt in chunks, then greedy decode steps."""
@@ -54,7 +55,7 @@ def paged_run(loaded, prompt: list[int], num_tokens: int, chunk: int = 64, block
     windows = sorted(set(loaded.sliding_windows), key=lambda w: w or 0)
     layer_group = [windows.index(w) for w in loaded.sliding_windows]
     block_sizes = [block] * len(windows)
-    kv = loaded.allocate_kv(1 + (len(prompt) + num_tokens) // block + 1, block_sizes, layer_group)
+    kv = loaded.allocate_kv(1 + (len(prompt) + num_tokens) // block + 1, block_sizes, layer_group, kv_cache_dtype)
     blocks = list(range(1, kv.keys[0].shape[0]))  # block 0 stays the null block
     rows, tokens, done = [], [], 0
     sequence = list(prompt)

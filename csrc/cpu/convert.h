@@ -4,8 +4,11 @@
 // exact (to float) or round-to-nearest-even (from float), like MLX's own.
 #pragma once
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "mlx/types/half_types.h"
@@ -55,6 +58,53 @@ inline void load_row(const mx::float16_t* src, int64_t stride, int n, float* dst
   for (; d < n; ++d) {
     dst[d] = static_cast<float>(src[d * stride]);
   }
+}
+
+// 8-bit float cache elements (uint8 bit patterns; PagedAttentionParams::
+// cache_format). Decoded exactly through a 256-entry table per format.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+// OCP FP8 E4M3 ("fn": no infinities; S.1111.111 is NaN): 2^(e-7) * (1 + m/8),
+// subnormals m * 2^-9.
+inline float fp8_e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float v = (e == 15 && m == 7) ? std::numeric_limits<float>::quiet_NaN()
+      : e == 0                   ? std::ldexp(static_cast<float>(m), -9)
+                                 : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+// E5M2: the top byte of a float16.
+inline float fp8_e5m2_value(uint8_t b) {
+  mx::float16_t h;
+  const uint16_t bits = static_cast<uint16_t>(b) << 8;
+  std::memcpy(&h, &bits, sizeof(bits));
+  return static_cast<float>(h);
+}
+
+template <float (*Decode)(uint8_t)>
+const float* fp8_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = Decode(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table.data();
+}
+
+inline void load_row(const Fp8E4M3* src, int64_t stride, int n, float* dst) {
+  const float* table = fp8_table<fp8_e4m3_value>();
+  for (int d = 0; d < n; ++d) dst[d] = table[src[d * stride].bits];
+}
+
+inline void load_row(const Fp8E5M2* src, int64_t stride, int n, float* dst) {
+  const float* table = fp8_table<fp8_e5m2_value>();
+  for (int d = 0; d < n; ++d) dst[d] = table[src[d * stride].bits];
 }
 
 inline void store_row(const float* src, int n, float* dst) {

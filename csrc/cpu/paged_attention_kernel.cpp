@@ -83,13 +83,14 @@ struct Scratch {
   std::vector<RowState> state, part_state;
 };
 
-template <typename T>
+// T: q and the output; C: what the caches hold (T, or an 8-bit float).
+template <typename T, typename C = T>
 class CpuPagedAttention {
  public:
   explicit CpuPagedAttention(const KernelArgs& a)
       : q_(static_cast<const T*>(a.q)),
-        k_(static_cast<const T*>(a.key_cache)),
-        v_(static_cast<const T*>(a.value_cache)),
+        k_(static_cast<const C*>(a.key_cache)),
+        v_(static_cast<const C*>(a.value_cache)),
         bt_(a.block_tables),
         out_(static_cast<T*>(a.out)),
         sinks_(a.sinks),
@@ -239,7 +240,7 @@ class CpuPagedAttention {
           continue;
         }
         const int64_t k_off = block_id * g_.k_st[0] + (p - b0) * g_.k_st[1] + kv_head * g_.k_st[2];
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, float>) {
           if (g_.k_st[3] == 1) {
             rows[i] = k_ + k_off;
             continue;
@@ -252,7 +253,7 @@ class CpuPagedAttention {
       transpose_keys(rows, D, sc.kt.data() + col + g0, kp_);
     }
     const int64_t v_row0 = block_id * g_.v_st[0] + (p0 - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       // Float32 rows of whole vectors are read in place: no copy.
       if (g_.v_st[3] == 1 && dvp_ == Dv) {
         sc.seg[sc.nseg++] = {v_ + v_row0, g_.v_st[1], col, n};
@@ -384,8 +385,8 @@ class CpuPagedAttention {
   }
 
   const T* q_;
-  const T* k_;
-  const T* v_;
+  const C* k_;
+  const C* v_;
   const int32_t* bt_;
   T* out_;
   const float* sinks_;
@@ -401,18 +402,32 @@ class CpuPagedAttention {
   std::vector<float> partials_;
 };
 
+template <typename T>
+void run_with_cache(const KernelArgs& args) {
+  switch (args.params.cache_format) {
+    case kCacheFp8E4M3:
+      CpuPagedAttention<T, Fp8E4M3>(args).run();
+      break;
+    case kCacheFp8E5M2:
+      CpuPagedAttention<T, Fp8E5M2>(args).run();
+      break;
+    default:
+      CpuPagedAttention<T>(args).run();
+  }
+}
+
 } // namespace
 
 void VLLM_METAL_KERNEL_ENTRY(const KernelArgs& args) {
   switch (args.dtype) {
     case KernelDtype::float32:
-      CpuPagedAttention<float>(args).run();
+      run_with_cache<float>(args);
       break;
     case KernelDtype::float16:
-      CpuPagedAttention<mx::float16_t>(args).run();
+      run_with_cache<mx::float16_t>(args);
       break;
     case KernelDtype::bfloat16:
-      CpuPagedAttention<mx::bfloat16_t>(args).run();
+      run_with_cache<mx::bfloat16_t>(args);
       break;
   }
 }

@@ -206,3 +206,15 @@ def test_vllm_refuses_unsupported_variants_before_loading(model_dir, tmp_path):
         EngineArgs(model=_with_tokenizer(tmp_path / "act", model_dir)).create_engine_config()
     with pytest.raises(Exception, match="Cannot find the config file for awq|serves AWQ / GPTQ only as the checkpoint"):
         EngineArgs(model=model_dir, quantization="awq").create_engine_config()
+
+
+def test_doctor_describes_awq_and_refusals(tmp_path):
+    from vllm_metal.doctor.capabilities import model_check
+
+    write_checkpoint(tmp_path / "awq", method="awq")
+    report = model_check(str(tmp_path / "awq"))
+    assert report["served"] and report["format"] == "awq"
+    assert report["quantization"] == "AWQ 4-bit, group 128: repacked to MLX affine at load"
+    write_checkpoint(tmp_path / "act", method="gptq", config_overrides=dict(desc_act=True))
+    refused = model_check(str(tmp_path / "act"))
+    assert not refused["served"] and "quantization_config.desc_act = True" in refused["reason"]

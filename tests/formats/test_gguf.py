@@ -303,3 +303,17 @@ def test_a_directory_with_config_json_uses_it(files, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**f.config, "rope_theta": 1234.0}))
     assert load_model(str(tmp_path), materialize=False).config["rope_theta"] == 1234.0
     assert load_model(str(f.path), materialize=False, config_path=str(tmp_path)).config["rope_theta"] == 1234.0
+
+
+def test_doctor_describes_a_gguf(files, tmp_path):
+    from vllm_metal.doctor.capabilities import model_check
+
+    report = model_check(str(files["llama"].path))
+    assert report["served"] and report["format"] == "gguf" and report["model_type"] == "llama"
+    assert "kept quantized as MLX affine (exact): Q4_K" in report["quantization"]
+    assert "re-quantized to MLX affine: Q6_K -> 8-bit" in report["quantization"]
+    loaded = load_model(str(files["llama"].path), dtype="float32", dequantize=True)
+    assert report["memory"]["cpu_float32"] == loaded.weights_bytes  # what the CPU device holds
+    assert report["memory"]["metal_float16"] < loaded.weights_bytes / 4
+    refused = model_check(str(_tiny_gguf(tmp_path / "b.gguf", arch="bert")))
+    assert not refused["served"] and "GGUF architecture 'bert' is not mapped" in refused["reason"]

@@ -174,25 +174,57 @@ def short_report(device: str) -> str:
             "(`vllm-metal doctor` lists them)")
 
 
+def resident_bytes(model) -> dict:
+    """The weights' bytes as each device holds them: Metal keeps MLX-quantized
+    weights packed (scales, biases and float weights at float16 / bfloat16);
+    the CPU device expands them to float32 at load (BLAS beats MLX's CPU
+    quantized matmul)."""
+    from mlx.utils import tree_flatten
+
+    metal = cpu = 0
+    quantized = {name: mod for name, mod in model.named_modules() if getattr(mod, "bits", None)}
+    for name, value in tree_flatten(model.parameters()):
+        module, _, leaf = name.rpartition(".")
+        owner = quantized.get(module)
+        if owner is not None and leaf == "weight":
+            metal += value.nbytes
+            cpu += value.size * 32 // owner.bits * 4
+        elif owner is not None and leaf in ("scales", "biases"):
+            metal += value.size * 2
+        else:
+            metal += value.size * 2
+            cpu += value.size * 4
+    return {"metal_float16": metal, "cpu_float32": cpu}
+
+
 def model_check(model_dir: str) -> dict:
-    """Whether `vllm serve MODEL_DIR` would be served, decided by the same
-    load-time checks (family registry, mlx-lm build, attention adapter, RoPE
-    probe) without reading the weights."""
+    """Whether `vllm serve MODEL` would be served (a model directory, a GGUF
+    file, an AWQ / GPTQ directory), decided by the same load-time checks
+    (format, family registry, mlx-lm build, attention adapter, RoPE probe);
+    the format, its quantization and the weights' bytes in memory. A GGUF's
+    or AWQ / GPTQ's weights are read (converted) to say it; an MLX
+    directory's are not."""
     import json
     from pathlib import Path
 
     from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
+    from vllm_metal.formats.checkpoint import open_checkpoint
     from vllm_metal.models.loader import load_model
 
     from vllm_metal.pooling.checkpoint import describe
 
     result = {"path": str(model_dir), "model_type": None, "served": False, "reason": ""}
     try:
-        result["model_type"] = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError) as e:
-        result["reason"] = f"no readable config.json: {e}"
+        checkpoint = open_checkpoint(model_dir)
+    except Exception as e:  # noqa: BLE001 -- no config, a bad GGUF, a refused AWQ / GPTQ variant: the message
+        result["reason"] = f"{type(e).__name__}: {e}"
         return result
-    result["pooling"] = pooling = describe(model_dir)
+    result["model_type"] = checkpoint.model_type
+    result["format"] = checkpoint.format
+    result["quantization"] = checkpoint.describe()
+    no_pooling = {"kind": None, "served": False, "encoder": False, "how": "", "made_for_pooling": False}
+    has_config = (Path(model_dir) / "config.json").exists()
+    result["pooling"] = pooling = describe(model_dir) if has_config else no_pooling
     if pooling["encoder"]:  # an encoder-only checkpoint: pooling is the only way it is served
         result.update(served=pooling["served"], flags=["--runner pooling"] if pooling["served"] else [],
                       reason=pooling["how"])
@@ -209,7 +241,8 @@ def model_check(model_dir: str) -> dict:
         flags = ["--runner pooling"]
         pooling["how"] = "no LM head in the checkpoint: served only as an embedding model, with --runner pooling"
     windows = sorted({w for w in m.sliding_windows if w})
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    result["memory"] = resident_bytes(m.model)
+    config = checkpoint.config
     notes = []
     if "vision_config" in config or any(a.endswith("ForConditionalGeneration")
                                         for a in config.get("architectures") or []):

@@ -74,6 +74,12 @@ def doctor(args) -> int:
             m = report["model"]
             print(f"model       {m['path']} ({m['model_type']}): "
                   + ("will be served: " if m["served"] else "refused: ") + m["reason"])
+            if m.get("quantization"):
+                print(f"format      {m['quantization']}")
+            if m.get("memory"):
+                gib = {k: v / 2**30 for k, v in m["memory"].items()}
+                print(f"memory      weights {gib['metal_float16']:.2f} GiB on Metal (quantized weights kept packed, "
+                      f"the rest float16), {gib['cpu_float32']:.2f} GiB on the CPU device (expanded to float32)")
             pooling = m.get("pooling")
             if pooling and not pooling["encoder"] and m["served"] and pooling["how"]:
                 print(f"pooling     {'served' if pooling['served'] else 'refused'}: {pooling['how']}")
@@ -85,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="report what runs on this machine and what is inert")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    d.add_argument("--model", metavar="DIR", help="also say whether this model directory will be served "
-                   "(the load-time checks, without reading the weights)")
+    d.add_argument("--model", metavar="PATH", help="also say whether this model (a directory, a GGUF file) will "
+                   "be served, its format, quantization and bytes in memory (the load-time checks)")
     d.set_defaults(func=doctor)
     args = parser.parse_args(argv)
     return args.func(args)

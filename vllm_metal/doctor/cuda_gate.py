@@ -56,9 +56,17 @@ def _quantization(cfg) -> str | None:
     return f"--quantization {q} (or the checkpoint's quantization_config)" if q else None
 
 
+# --kv-cache-dtype values vllm-metal's kernels serve (native/kv_quant.py): 8-bit
+# float caches; float16 / bfloat16 where they are the model dtype (= auto).
+SERVED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 def _kv_cache_dtype(cfg) -> str | None:
     dtype = cfg.cache_config.cache_dtype
-    return f"--kv-cache-dtype {dtype}" if dtype not in (None, "auto") else None
+    if dtype in (None, *SERVED_KV_CACHE_DTYPES):
+        return None
+    model_dtype = str(getattr(cfg.model_config, "dtype", "")).removeprefix("torch.")
+    return None if dtype == model_dtype else f"--kv-cache-dtype {dtype}"
 
 
 def _speculative(cfg) -> str | None:
@@ -136,8 +144,10 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
              ("VLLM_USE_TRITON_AWQ", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
               "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_MOE_INT4"),
              ("VLLM_MARLIN_", "VLLM_MXFP4_", "VLLM_MXFP8_")),
-    CudaPath("fp8_kv_cache", "FP8 KV cache", "FP8 cache kernels are CUDA-only",
-             "the KV cache is stored in the model dtype (drop --kv-cache-dtype)", "error", _kv_cache_dtype),
+    CudaPath("fp8_kv_cache", "quantized KV caches other than fp8 (per-token-head int8/fp8, TurboQuant, NVFP4, fp8_inc)",
+             "their cache kernels are CUDA-only",
+             "--kv-cache-dtype fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit caches read by vllm-metal's kernels; or auto",
+             "error", _kv_cache_dtype),
     CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
              "shared prefixes are reused through prefix caching", "warn"),  # no switch for it in vLLM 0.33
     CudaPath("speculative_decoding", "speculative decoding (EAGLE/Medusa/MTP/n-gram kernels)",

@@ -14,6 +14,14 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm_metal.models.loaded_model import LoadedModel
 
 MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16: torch.bfloat16}
+KV_CACHE_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(vllm_config) -> str:
+    """The runner's cache format: "auto" (the model dtype, also an explicit
+    float16 / bfloat16 that is the model's) or an 8-bit float name."""
+    dtype = vllm_config.cache_config.cache_dtype
+    return dtype if dtype in KV_CACHE_TORCH else "auto"
 
 
 def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str]) -> dict[str, KVCacheSpec]:
@@ -21,6 +29,8 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
     cache of its own, named by `layer_name(i)`."""
     block_size = vllm_config.cache_config.block_size
     dtype = MX_TO_TORCH[m.dtype]
+    # An 8-bit float cache (--kv-cache-dtype fp8*): one byte per element, for attention layers only.
+    cache_dtype = KV_CACHE_TORCH.get(vllm_config.cache_config.cache_dtype, dtype)
     specs: dict[str, KVCacheSpec] = {}
     for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
         if kv.source is not None or not m.owns(i):  # a shared cache, or another stage's layer
@@ -32,7 +42,7 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
             specs[layer_name(i)] = MambaSpec(block_size=cache.mamba_block_size, shapes=kv.state_shapes,
                                              dtypes=dtypes, mamba_cache_mode=cache.mamba_cache_mode)
             continue
-        common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=dtype)
+        common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=cache_dtype)
         if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)
             specs[layer_name(i)] = MLAAttentionSpec(**common)
         else:

@@ -162,7 +162,8 @@ class MetalModelRunner:
         if self.align_groups:
             self.state_index = AlignedStateIndex(self.block_sizes[self.align_groups[0]])
         # Block 0 is vLLM's null block: allocated, never handed to a request.
-        self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group)
+        self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group,
+                                kv_cache_dtype=kv_specs.kv_cache_dtype(self.vllm_config))
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,

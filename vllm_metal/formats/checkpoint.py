@@ -38,6 +38,35 @@ class Checkpoint:
     def model_type(self) -> str | None:
         return self.config.get("model_type")
 
+    def describe(self) -> str:
+        """The format and quantization in words (`vllm-metal doctor --model`)."""
+        if self.format == "gguf":
+            served = self.details["served_as"]
+            types = ", ".join(f"{t} x{n}" for t, n in sorted(self.details["tensor_types"].items()))
+            how = []
+            if served["kept"]:
+                how.append(f"kept quantized as MLX affine (exact): {', '.join(served['kept'])}")
+            if served["requantized"]:
+                how.append("re-quantized to MLX affine: " + ", ".join(
+                    f"{t} -> {b}-bit" for t, b in served["requantized"].items()))
+            if served["float"]:
+                how.append(f"floating point: {', '.join(served['float'])}")
+            if served["refused"]:
+                how.append(f"NOT servable: {', '.join(served['refused'])}")
+            return f"GGUF ({self.details['architecture']}; {types}): " + "; ".join(how)
+        if self.format in ("awq", "gptq"):
+            q = self.details["quantization_config"]
+            return (f"{self.format.upper()} {q.get('bits', q.get('w_bit'))}-bit, group "
+                    f"{q.get('group_size', q.get('q_group_size'))}: repacked to MLX affine at load")
+        quant = self.config.get("quantization")
+        if quant:
+            mixed = any(isinstance(v, dict) for v in quant.values())
+            return (f"MLX affine {quant.get('bits')}-bit, group {quant.get('group_size')}"
+                    + (" (per-layer overrides)" if mixed else ""))
+        method = (self.config.get("quantization_config") or {}).get("quant_method")
+        dtype = self.config.get("torch_dtype") or self.config.get("dtype") or "unstated dtype"
+        return f"safetensors, {method} quantization (mlx-lm's loader)" if method else f"safetensors, {dtype}"
+
     def load_weights(self) -> tuple[dict, dict | None]:
         """(mlx-lm named weights, mlx-lm "quantization" entry or None)."""
         if self.format == "gguf":

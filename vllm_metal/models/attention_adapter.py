@@ -52,6 +52,26 @@ class PagedKVCache:
     # Arrays a step keeps alive until the next one starts (the state pools'
     # copy write-back, VLLM_METAL_STATE_WRITEBACK=copy); emptied by each forward.
     retained: list = field(default_factory=list, repr=False)
+    # vLLM's --kv-cache-dtype: "auto" (caches in the model dtype, `dtype`) or
+    # an 8-bit float ("fp8", "fp8_e4m3", "fp8_e5m2": uint8 caches, per-layer
+    # scales 1.0 as vLLM's without checkpoint scales; native/kv_quant.py).
+    kv_cache_dtype: str = "auto"
+    dtype: mx.Dtype = mx.float32
+
+    def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping) -> tuple[mx.array, mx.array]:
+        """Layer `layer`'s K/V for the step's tokens into its cache (kept)."""
+        if self.kv_cache_dtype == "auto":
+            k, v = k.astype(self.keys[layer].dtype), v.astype(self.values[layer].dtype)
+        kc, vc = ops.write_kv(self.keys[layer], self.values[layer], k, v, slot_mapping,
+                              kv_cache_dtype=self.kv_cache_dtype)
+        self.keys[layer], self.values[layer] = kc, vc
+        return kc, vc
+
+    def query(self, q: mx.array) -> tuple[mx.array, dict]:
+        """q in the dtype attention runs in, and the attention's cache arguments."""
+        if self.kv_cache_dtype == "auto":
+            return q.astype(self.dtype), {}
+        return q.astype(self.dtype), {"kv_cache_dtype": self.kv_cache_dtype}
 
     def arrays(self) -> list[mx.array]:
         """Every cache array (layers sharing another's cache, and MLA's absent V, hold None)."""
@@ -253,13 +273,12 @@ class PagedAttentionLayer(nn.Module):
         q = self.scale_queries(q, step)
 
         layer, group = cache.layer, store.layer_group[cache.layer]
-        kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
-                              v.astype(store.values[layer].dtype), step.slot_mappings[group])
-        store.keys[layer], store.values[layer] = kc, vc
-        out = ops.paged_attention(q.astype(kc.dtype), kc, vc, step.block_tables[group], step.seq_lens,
+        kc, vc = store.write(layer, k, v, step.slot_mappings[group])
+        q, cache_args = store.query(q)
+        out = ops.paged_attention(q, kc, vc, step.block_tables[group], step.seq_lens,
                                   step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window,
                                   softcap=self.softcap,
-                                  sinks=a.sinks.astype(mx.float32) if self.has_sinks else None)
+                                  sinks=a.sinks.astype(mx.float32) if self.has_sinks else None, **cache_args)
         out = getattr(a, names["o_proj"])(out.reshape(1, n, -1).astype(x.dtype))
         if store.after_layer is not None:
             store.after_layer(out, kc, vc)

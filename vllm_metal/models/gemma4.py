@@ -59,9 +59,7 @@ class Attention(nn.Module):
             k = a.rope(a.k_norm(k)[:, :, None, :], offset=step.positions)[:, :, 0, :]
             v = a.v_norm(v)
             group = store.layer_group[layer]
-            kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
-                                  v.astype(store.values[layer].dtype), step.slot_mappings[group])
-            store.keys[layer], store.values[layer] = kc, vc
+            kc, vc = store.write(layer, k, v, step.slot_mappings[group])
             source = layer
         else:
             source = shared_kv
@@ -70,8 +68,9 @@ class Attention(nn.Module):
                                    "layer with a cache")
             kc, vc = store.keys[source], store.values[source]
         group = store.layer_group[source]
-        out = ops.paged_attention(q.astype(kc.dtype), kc, vc, step.block_tables[group], step.seq_lens,
-                                  step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window)
+        q, cache_args = store.query(q)
+        out = ops.paged_attention(q, kc, vc, step.block_tables[group], step.seq_lens,
+                                  step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window, **cache_args)
         out = a.o_proj(out.reshape(1, n, -1).astype(x.dtype))
         if store.after_layer is not None and self.owns_kv:
             store.after_layer(out, kc, vc)

@@ -98,13 +98,22 @@ class LoadedModel:
                          "table(s) a step".format(**self.norm_rope))
         return notes
 
-    def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int]) -> PagedKVCache:
+    def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int],
+                    kv_cache_dtype: str = "auto") -> PagedKVCache:
         """Zeroed paged caches for every layer that has its own (group g's
         layers use block size block_sizes[g]); MLA layers get their one latent
         cache only (values[i] None), layers sharing another's cache none.
         Linear-attention layers get their state pools, one slot per block id:
         keys[i] the convolution states, values[i] the recurrent states (None
-        where the layer has none: lfm2's short convolutions)."""
+        where the layer has none: lfm2's short convolutions). kv_cache_dtype:
+        vLLM's --kv-cache-dtype; an 8-bit one makes the attention caches uint8
+        (linear-attention states keep their dtypes)."""
+        from vllm_metal.native import kv_quant
+
+        cache_dtype = mx.uint8 if kv_quant.cache_format(kv_cache_dtype) else self.dtype
+        if cache_dtype == mx.uint8 and any(kv.layout == "latent" for kv in self.layer_kv):
+            raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: latent attention (MLA) keeps its cache "
+                                      "in the model dtype; serve this model with --kv-cache-dtype auto")
         keys, values = [], []
         for i, (kv, g) in enumerate(zip(self.layer_kv, layer_group)):
             if not self.owns(i):  # another pipeline stage's layer
@@ -117,9 +126,9 @@ class LoadedModel:
                 values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
                 continue
             shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
-            keys.append(None if kv.source is not None else mx.zeros(shape, dtype=self.dtype))
-            values.append(mx.zeros(shape, dtype=self.dtype) if kv.source is None and kv.layout == "kv" else None)
-        cache = PagedKVCache(keys, values, layer_group)
+            keys.append(None if kv.source is not None else mx.zeros(shape, dtype=cache_dtype))
+            values.append(mx.zeros(shape, dtype=cache_dtype) if kv.source is None and kv.layout == "kv" else None)
+        cache = PagedKVCache(keys, values, layer_group, kv_cache_dtype=kv_cache_dtype, dtype=self.dtype)
         mx.eval(cache.arrays())
         return cache
 

@@ -33,11 +33,10 @@ class Attention(PagedAttentionLayer):
         q, k = a.q_norm(q), a.k_norm(k)
         q, k = self.apply_rope(q, k, step)
         layer, group = cache.layer, store.layer_group[cache.layer]
-        kc, vc = ops.write_kv(store.keys[layer], store.values[layer], k.astype(store.keys[layer].dtype),
-                              v.astype(store.values[layer].dtype), step.slot_mappings[group])
-        store.keys[layer], store.values[layer] = kc, vc
-        out = ops.paged_attention(q.astype(kc.dtype), kc, vc, step.block_tables[group], step.seq_lens,
-                                  step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window)
+        kc, vc = store.write(layer, k, v, step.slot_mappings[group])
+        q, cache_args = store.query(q)
+        out = ops.paged_attention(q, kc, vc, step.block_tables[group], step.seq_lens,
+                                  step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window, **cache_args)
         out = out.reshape(n, -1).astype(x.dtype) * mx.sigmoid(gate.reshape(n, -1))
         out = a.o_proj(out[None])
         if store.after_layer is not None:

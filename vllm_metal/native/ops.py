@@ -34,6 +34,7 @@ from vllm_metal.native import fast_blas
 fast_blas.preload()  # normally done already (see vllm_metal/__init__.py)
 fast_blas.warn_if_too_late()
 
+from vllm_metal.native import kv_quant  # noqa: E402
 from vllm_metal.native.extension import load_extension  # noqa: E402
 
 _ext = load_extension()
@@ -133,8 +134,12 @@ def _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q):
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, *,
                     scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, sinks=None, v_head_dim: int | None = None,
-                    causal: bool = True, stream=None) -> mx.array:
+                    causal: bool = True, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                    v_scale: float = 1.0, stream=None) -> mx.array:
     """Lazy varlen paged attention; returns [num_tokens, num_heads, v_head_dim] in q's dtype.
+
+    kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2": the caches are uint8 8-bit
+    floats (native/kv_quant.py) holding K / k_scale and V / v_scale.
 
     causal=False (encoders): every query row sees all seq_lens[s] keys of its
     sequence (with sliding_window: those less than sliding_window positions
@@ -152,19 +157,23 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlen
     when the result is evaluated.
     """
     args = _prepare(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
+    fmt = kv_quant.cache_format(kv_cache_dtype)
     if attention_path(stream)[0] == "reference":
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window,
                                          softcap=softcap, sinks=sinks, v_head_dim=v_head_dim,
-                                         causal=causal, stream=stream)
-    return _ext.paged_attention(*args, scale=_as_scale(scale), sliding_window=sliding_window,
-                                softcap=softcap, sinks=_as_sinks(sinks),
-                                v_head_dim=_as_v_head_dim(v_head_dim), causal=bool(causal), stream=stream)
+                                         causal=causal, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                         v_scale=v_scale, stream=stream)
+    out = _ext.paged_attention(*args, scale=_as_scale(scale) * float(k_scale), sliding_window=sliding_window,
+                               softcap=softcap, sinks=_as_sinks(sinks), v_head_dim=_as_v_head_dim(v_head_dim),
+                               causal=bool(causal), cache_format=fmt, stream=stream)
+    return out if float(v_scale) == 1.0 else out * float(v_scale)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                               *, scale: float, sliding_window: int | None = None,
                               softcap: float | None = None, sinks=None,
-                              v_head_dim: int | None = None, causal: bool = True, stream=None) -> mx.array:
+                              v_head_dim: int | None = None, causal: bool = True, kv_cache_dtype: str = "auto",
+                              k_scale: float = 1.0, v_scale: float = 1.0, stream=None) -> mx.array:
     """The same attention from plain MLX ops, on any device; a test oracle.
 
     Gathers every token's whole block table, so it costs memory proportional to
@@ -175,9 +184,13 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)
     sinks, v_head_dim = _as_sinks(sinks), _as_v_head_dim(v_head_dim)
     # Same static validation as the primitive (building the lazy node is free).
+    fmt = kv_quant.cache_format(kv_cache_dtype)
     _ext.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                          scale=_as_scale(scale), sliding_window=sliding_window, softcap=softcap,
-                         sinks=sinks, v_head_dim=v_head_dim, causal=bool(causal), stream=stream)
+                         sinks=sinks, v_head_dim=v_head_dim, causal=bool(causal), cache_format=fmt, stream=stream)
+    if fmt:
+        key_cache = kv_quant.decode(key_cache, kv_cache_dtype, mx.float32, float(k_scale))
+        value_cache = kv_quant.decode(value_cache, kv_cache_dtype, mx.float32, float(v_scale))
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -224,7 +237,8 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
 
 
 def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.array,
-             slot_mapping) -> tuple[mx.array, mx.array]:
+             slot_mapping, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+             v_scale: float = 1.0) -> tuple[mx.array, mx.array]:
     """Functional, graph-tracked cache write: returns the updated caches.
 
     Token i's k[i], v[i] land in slot slot_mapping[i] (block * block_size +
@@ -247,6 +261,10 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
                          f"key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    if kv_quant.cache_format(kv_cache_dtype):  # an 8-bit cache: K / k_scale, V / v_scale as 8-bit floats
+        if key_cache.dtype != mx.uint8:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs uint8 caches, got {key_cache.dtype}")
+        k, v = kv_quant.encode(k, kv_cache_dtype, float(k_scale)), kv_quant.encode(v, kv_cache_dtype, float(v_scale))
     return tuple(_write([key_cache, value_cache], [k, v], ["k", "v"], "key_cache", slot_mapping))
 
 
