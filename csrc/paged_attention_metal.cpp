@@ -88,7 +88,9 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
   const mx::Stream& s = stream();
   auto& device = mx::metal::device(s.device);
   const PagedAttentionPlan plan =
-      plan_paged_attention(make_args(inputs, params_), kernel_dtype_name(out.dtype(), "paged_attention"), out.nbytes());
+      plan_paged_attention(make_args(inputs, params_),
+                           kernel_dtype(kernel_dtype_name(out.dtype(), "paged_attention"), params_.cache_format),
+                           out.nbytes());
 
   // The output's buffer also holds the partition scratch (if any) after
   // plan.partials_offset: scratch that lives and dies with the output.

@@ -20,32 +20,46 @@
 // comes per head (kind "decode") and grouped (kind "decode_gqa<width>": up
 // to `width` query heads of one KV head per threadgroup, the tier's width in
 // paged_attention_tuning.h).
-#define instantiate_tier(tname, type, tier, dpl_k, dpl_v, heads, sg, rows, keys)              \
+// The kernels that read the caches (cache: their element type), then the
+// whole tier (with the reduce kernel, which reads only partials).
+#define instantiate_cache_reads(tname, type, cache, tier, dpl_k, dpl_v, heads, sg, rows, keys) \
   instantiate_kernel("paged_attention_decode_" #tname "_d" #tier, paged_attention_decode,     \
-                     type, dpl_k, dpl_v, 1)                                                    \
+                     type, dpl_k, dpl_v, 1, cache)                                             \
   instantiate_kernel("paged_attention_decode_gqa" #heads "_" #tname "_d" #tier,               \
-                     paged_attention_decode, type, dpl_k, dpl_v, heads)                        \
+                     paged_attention_decode, type, dpl_k, dpl_v, heads, cache)                 \
   instantiate_kernel("paged_attention_prefill_" #tname "_d" #tier, paged_attention_prefill,   \
-                     type, dpl_k, dpl_v, sg, rows, keys)                                       \
-  instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce,     \
-                     type, dpl_v)
+                     type, dpl_k, dpl_v, sg, rows, keys, cache)
+
+#define instantiate_tier(tname, type, cache, tier, dpl_k, dpl_v, heads, sg, rows, keys, reduce) \
+  instantiate_cache_reads(tname, type, cache, tier, dpl_k, dpl_v, heads, sg, rows, keys)      \
+  reduce(instantiate_kernel("paged_attention_reduce_" #tname "_d" #tier, paged_attention_reduce, \
+                            type, dpl_v))
+
+#define with_reduce(x) x
+#define no_reduce(x)
 
 // (The grouped widths are spelled as numbers, for the kernel names; the
 // static_asserts below hold them to the tuning enums.)
-#define instantiate_small_tier(tname, type, tier, dpl, heads)                            \
-  instantiate_tier(tname, type, tier, dpl, dpl, heads, vllm_metal::kPrefillSimdgroups,   \
+#define instantiate_small_tier(tname, type, cache, tier, dpl, heads, reduce)             \
+  instantiate_tier(tname, type, cache, tier, dpl, dpl, heads, vllm_metal::kPrefillSimdgroups, \
                    vllm_metal::kPrefillRowsPerSimdgroup,                                 \
-                   vllm_metal::kPrefillKvTileFloats / (tier))
+                   vllm_metal::kPrefillKvTileFloats / (tier), reduce)
 
-#define instantiate_dtype(tname, type)                                                   \
-  instantiate_small_tier(tname, type, 32, 1, 8)                                          \
-  instantiate_small_tier(tname, type, 64, 2, 8)                                          \
-  instantiate_small_tier(tname, type, 128, 4, 8)                                         \
-  instantiate_small_tier(tname, type, 256, 8, 4)                                         \
-  instantiate_tier(tname, type, 576, vllm_metal::kLargeKeyDimsPerLane,                   \
+// tname: the dtype's name, then the cache format's when the caches are
+// 8-bit floats ("float16_fp8e4m3": paged_attention_plan.h's kernel_dtype;
+// those share the dtype's reduce kernels: kernel_name drops the suffix).
+#define instantiate_dtype_cache(tname, type, cache, reduce)                              \
+  instantiate_small_tier(tname, type, cache, 32, 1, 8, reduce)                           \
+  instantiate_small_tier(tname, type, cache, 64, 2, 8, reduce)                           \
+  instantiate_small_tier(tname, type, cache, 128, 4, 8, reduce)                          \
+  instantiate_small_tier(tname, type, cache, 256, 8, 4, reduce)                          \
+  instantiate_tier(tname, type, cache, 576, vllm_metal::kLargeKeyDimsPerLane,            \
                    vllm_metal::kLargeValueDimsPerLane, 2, vllm_metal::kPrefillLargeSimdgroups, \
                    vllm_metal::kPrefillLargeRowsPerSimdgroup,                            \
-                   vllm_metal::kPrefillLargeKvTileKeys)
+                   vllm_metal::kPrefillLargeKvTileKeys, reduce)
+
+#define instantiate_dtype(tname, type) instantiate_dtype_cache(tname, type, type, with_reduce)
+#define instantiate_fp8(tname, type, cache) instantiate_dtype_cache(tname, type, cache, no_reduce)
 
 static_assert(vllm_metal::kDecodeGroupHeadsSmall == 8 && vllm_metal::kDecodeGroupHeads256 == 4 &&
                   vllm_metal::kDecodeGroupHeadsLarge == 2,
@@ -54,3 +68,9 @@ static_assert(vllm_metal::kDecodeGroupHeadsSmall == 8 && vllm_metal::kDecodeGrou
 instantiate_dtype(float32, float)
 instantiate_dtype(float16, half)
 instantiate_dtype(bfloat16, bfloat)
+instantiate_fp8(float32_fp8e4m3, float, vllm_metal::fp8_e4m3)
+instantiate_fp8(float16_fp8e4m3, half, vllm_metal::fp8_e4m3)
+instantiate_fp8(bfloat16_fp8e4m3, bfloat, vllm_metal::fp8_e4m3)
+instantiate_fp8(float32_fp8e5m2, float, vllm_metal::fp8_e5m2)
+instantiate_fp8(float16_fp8e5m2, half, vllm_metal::fp8_e5m2)
+instantiate_fp8(bfloat16_fp8e5m2, bfloat, vllm_metal::fp8_e5m2)

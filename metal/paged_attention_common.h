@@ -126,6 +126,34 @@ inline float load_float(const device T* base, int64_t offset) {
   return static_cast<float>(base[offset]);
 }
 
+// 8-bit float cache elements (PagedAttentionParams::cache_format), decoded
+// exactly as the CPU backend decodes them (csrc/cpu/convert.h).
+struct fp8_e4m3 {
+  uchar bits;
+};
+struct fp8_e5m2 {
+  uchar bits;
+};
+
+// OCP FP8 E4M3 "fn": 2^(e-7) * (1 + m/8), subnormals m * 2^-9, S.1111.111 NaN.
+inline float load_float(const device fp8_e4m3* base, int64_t offset) {
+  const uint b = base[offset].bits;
+  const uint e = (b >> 3) & 15u, m = b & 7u;
+  float v = e == 0u ? float(m) * 0.001953125f : ldexp(1.0f + float(m) * 0.125f, int(e) - 7);
+  v = (e == 15u && m == 7u) ? NAN : v;
+  return (b & 0x80u) != 0u ? -v : v;
+}
+
+// E5M2 (the top byte of a float16): 2^(e-15) * (1 + m/4), subnormals
+// m * 2^-16, exponent 31 infinity (m = 0) or NaN.
+inline float load_float(const device fp8_e5m2* base, int64_t offset) {
+  const uint b = base[offset].bits;
+  const uint e = (b >> 2) & 31u, m = b & 3u;
+  float v = e == 0u ? float(m) * 0.0000152587890625f : ldexp(1.0f + float(m) * 0.25f, int(e) - 15);
+  v = e == 31u ? (m == 0u ? INFINITY : NAN) : v;
+  return (b & 0x80u) != 0u ? -v : v;
+}
+
 // q.k -> the logit the softmax sees, in the CPU backend's order: scale, then
 // the optional tanh soft cap.
 inline float finish_score(constant PagedAttentionArgs& args, float dot) {

@@ -25,13 +25,14 @@
 #include "paged_attention_common.h"
 
 // DPL_K, DPL_V: key and value head dims per lane (of the head-dim tier);
-// HG: the most query heads per threadgroup (registers are sized for it).
-template <typename T, int DPL_K, int DPL_V, int HG>
+// HG: the most query heads per threadgroup (registers are sized for it);
+// C: what the caches hold (T, or an 8-bit float: paged_attention_common.h).
+template <typename T, int DPL_K, int DPL_V, int HG, typename C = T>
 [[kernel]] void paged_attention_decode(
     constant vllm_metal::PagedAttentionArgs& args [[buffer(0)]],
     const device T* q [[buffer(1)]],
-    const device T* k_cache [[buffer(2)]],
-    const device T* v_cache [[buffer(3)]],
+    const device C* k_cache [[buffer(2)]],
+    const device C* v_cache [[buffer(3)]],
     const device int* block_tables [[buffer(4)]],
     const device int* seq_lens [[buffer(5)]],
     const device int* cu_seqlens_q [[buffer(6)]],

@@ -68,10 +68,22 @@ inline int head_dim_tier(int head_dim, int v_head_dim) {
   return widest <= 8 * kSimdWidth ? dims_per_lane(widest) * kSimdWidth : int(kLargeTier);
 }
 
-// dtype_name: "float32", "float16" or "bfloat16" (MLX's names).
+// The kernels' dtype name: q's ("float32", "float16", "bfloat16"), then, for
+// 8-bit float caches (PagedAttentionParams::cache_format 1: E4M3, 2: E5M2),
+// the cache's ("float16_fp8e4m3"): paged_attention.metal's instantiations.
+inline std::string kernel_dtype(const std::string& q_dtype_name, int cache_format) {
+  return cache_format == 1 ? q_dtype_name + "_fp8e4m3"
+      : cache_format == 2  ? q_dtype_name + "_fp8e5m2"
+                           : q_dtype_name;
+}
+
+// dtype_name: kernel_dtype's result. The reduce kernel reads no cache: one
+// per dtype, whatever the cache format.
 inline std::string kernel_name(const char* kind, const std::string& dtype_name, int head_dim,
                                int v_head_dim) {
-  return std::string("paged_attention_") + kind + "_" + dtype_name + "_d" +
+  const bool reduce = std::string(kind) == "reduce";
+  const std::string dtype = reduce ? dtype_name.substr(0, dtype_name.find("_fp8")) : dtype_name;
+  return std::string("paged_attention_") + kind + "_" + dtype + "_d" +
       std::to_string(head_dim_tier(head_dim, v_head_dim));
 }
 

@@ -16,13 +16,14 @@
 #include "paged_attention_common.h"
 
 // DPL_K, DPL_V: key and value head dims per lane; NSG simdgroups of R rows
-// each (NSG * R = kPrefillTokensPerTile); KT keys staged per tile.
-template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT>
+// each (NSG * R = kPrefillTokensPerTile); KT keys staged per tile; C: what
+// the caches hold (T, or an 8-bit float: paged_attention_common.h).
+template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT, typename C = T>
 [[kernel]] void paged_attention_prefill(
     constant vllm_metal::PagedAttentionArgs& args [[buffer(0)]],
     const device T* q [[buffer(1)]],
-    const device T* k_cache [[buffer(2)]],
-    const device T* v_cache [[buffer(3)]],
+    const device C* k_cache [[buffer(2)]],
+    const device C* v_cache [[buffer(3)]],
     const device int* block_tables [[buffer(4)]],
     const device int* seq_lens [[buffer(5)]],
     const device int* cu_seqlens_q [[buffer(6)]],

@@ -116,6 +116,7 @@ class Executor:
                         decode_heads: int = 0, decode_simdgroups: int = 0, seed: int = 0,
                         at_start: bool = False,
                         kernels: tuple[str, ...] = ("decode", "prefill"),
+                        cache_format: str | None = None,
                         ) -> tuple[np.ndarray, dict]:
         """Runs the kernels as eval_gpu would; returns (output as float32, plan info).
 
@@ -125,6 +126,7 @@ class Executor:
         kernel writes come out NaN. partition_size, decode_heads (1: the
         per-head kernel, else the tier's grouped width) and decode_simdgroups
         override the plan's choice when non-zero (PlanOverrides).
+        cache_format "fp8e4m3" / "fp8e5m2": the caches are uint8 8-bit floats.
         """
         c = ctypes
         storage, itemsize = DTYPES[dtype]
@@ -132,7 +134,8 @@ class Executor:
         if not has_sinks:
             sinks = np.zeros(1, np.float32)  # a placeholder the driver does not bind
         inputs = [q, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, sinks]
-        for a, want in zip(inputs, [storage] * 3 + [np.int32] * 3 + [np.float32]):
+        cache = np.uint8 if cache_format else storage
+        for a, want in zip(inputs, [storage, cache, cache] + [np.int32] * 3 + [np.float32]):
             if a.dtype != want:
                 raise TypeError(f"expected {np.dtype(want)}, got {a.dtype}")
         views = [_view(a) for a in inputs]
@@ -147,7 +150,8 @@ class Executor:
         name = c.create_string_buffer(256)
         err = c.create_string_buffer(4096)
         rc = self.lib.vm_paged_attention(
-            dtype.encode(), itemsize, (c.c_int64 * 9)(*dims), (c.c_int64 * 16)(*strides),
+            (f"{dtype}_{cache_format}" if cache_format else dtype).encode(), itemsize, (c.c_int64 * 9)(*dims),
+            (c.c_int64 * 16)(*strides),
             (c.c_void_p * 7)(*[b.ctypes.data for b, _, _ in views]),
             (c.c_uint64 * 7)(*[b.nbytes for b, _, _ in views]),
             (c.c_int64 * 7)(*[o for _, o, _ in views]), scale, sliding_window or 0,

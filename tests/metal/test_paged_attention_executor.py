@@ -528,3 +528,54 @@ def _check_bad_metadata(executor, tmp_path, case, kind, how):
         assert np.isnan(out[nan_tokens]).all(), f"{how}: tokens {nan_tokens} must be NaN"
         assert not np.isinf(out).any()
         assert_close(out[exact_tokens], reference[exact_tokens], "float16", how)
+
+
+@pytest.mark.parametrize("cache_format", ["fp8e4m3", "fp8e5m2"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_8bit_caches_match_cpu_primitive(executor, rng, dtype, kind, cache_format):
+    """--kv-cache-dtype fp8 / fp8_e5m2: the Metal kernels decode the uint8
+    caches as the CPU kernel does: keys encoded from the case's values,
+    values random codes of magnitude <= 16 (every code, exactly:
+    test_8bit_codes_decode_exactly)."""
+    import mlx.core as mx
+
+    from vllm_metal.native import kv_quant, ops
+
+    case = make_case(rng, dtype=dtype, head_dim=128, group=4, block_size=16, kind=kind)
+    name = {"fp8e4m3": "fp8_e4m3", "fp8e5m2": "fp8_e5m2"}[cache_format]
+    codes = [np.array(kv_quant.encode(mx.array(case.key_cache), name)),
+             rng.integers(0, 256, case.value_cache.shape, dtype=np.uint8)]
+    decoded = np.array(kv_quant.decode(mx.array(codes[1]), name))
+    codes[1][~(np.abs(decoded) <= 16)] &= 0x80  # larger magnitudes (and NaN / inf) -> +-0
+    q = storage(dtype, case.q)
+    out, info = executor.paged_attention(dtype, q, codes[0], codes[1], case.block_tables, case.seq_lens,
+                                         case.cu_seqlens_q, **case.kwargs(), cache_format=cache_format)
+    inputs = [mx.array(case.q).astype(getattr(mx, dtype)), mx.array(codes[0]), mx.array(codes[1]),
+              mx.array(case.block_tables), mx.array(case.seq_lens), mx.array(case.cu_seqlens_q)]
+    ref = ops.paged_attention(*inputs, **case.kwargs(), kv_cache_dtype=name, stream=mx.cpu)
+    assert_close(out, np.array(ref.astype(mx.float32)), dtype, f"{kind} {cache_format} {info}")
+    assert len(np.unique(codes[1])) >= 150
+
+
+@pytest.mark.parametrize("cache_format", ["fp8e4m3", "fp8e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_8bit_codes_decode_exactly(executor, dtype, cache_format):
+    """Every one of the 256 codes as a value row seen alone (one key: its
+    softmax weight is exactly 1), so each output is the decoded code."""
+    import mlx.core as mx
+
+    from vllm_metal.native import kv_quant
+
+    name = {"fp8e4m3": "fp8_e4m3", "fp8e5m2": "fp8_e5m2"}[cache_format]
+    codes = np.zeros((2, 8, 1, 128), np.uint8)  # two blocks of 8 slots; the codes in slot 0 of each
+    codes[:, 0, 0] = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    decoded = np.array(kv_quant.decode(mx.array(codes[:, 0, 0]), name))
+    finite = np.isfinite(decoded)
+    q = storage(dtype, np.zeros((2, 1, 128), np.float32))
+    out, _ = executor.paged_attention(dtype, q, np.zeros_like(codes), codes, np.array([[0], [1]], np.int32),
+                                      np.array([1, 1], np.int32), np.array([0, 1, 2], np.int32), scale=1.0,
+                                      cache_format=cache_format)
+    want = decoded if dtype == "float32" else np.array(mx.array(decoded).astype(getattr(mx, dtype)).astype(mx.float32))
+    np.testing.assert_array_equal(out[:, 0][finite], want[finite])
+    assert np.isnan(out[:, 0][np.isnan(decoded)]).all()

@@ -132,3 +132,20 @@ def test_gpu_bad_metadata_gives_nan_rows(rng, kind, how):
     out = gpu(case)  # must not raise or fault; the CPU backend would raise
     assert np.isnan(out[nan_tokens]).all()
     assert_close(out[exact_tokens], reference[exact_tokens], "float16", how)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_8bit_caches(rng, dtype, kind, fmt):
+    """--kv-cache-dtype fp8: uint8 caches written by write_kv's encoding, read
+    by the Metal kernels as by the CPU kernel (scales included)."""
+    from vllm_metal.native import kv_quant
+
+    case = make_case(rng, dtype=dtype, head_dim=128, group=4, block_size=16, kind=kind)
+    q, kc, vc, *index = mx_inputs(case)
+    kc, vc = kv_quant.encode(kc, fmt, 0.5), kv_quant.encode(vc, fmt, 2.0)
+    kwargs = dict(case.kwargs(), kv_cache_dtype=fmt, k_scale=0.5, v_scale=2.0)
+    out = ops.paged_attention(q, kc, vc, *index, **kwargs, stream=mx.gpu)
+    ref = ops.paged_attention(q, kc, vc, *index, **kwargs, stream=mx.cpu)
+    assert_close(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)), dtype, f"{kind} {fmt}")

@@ -110,7 +110,9 @@ extern "C" int vm_paged_attention(
     for (int i = 0; i < kInputs; ++i) {
       inputs.push_back(std::make_unique<msl_rt::GuardedBuffer>(base_bytes[i], at_start != 0));
       std::memcpy(inputs.back()->data(), bases[i], base_bytes[i]);
-      const int elem = i <= kV ? itemsize : int(sizeof(int32_t));  // (float32 sinks: 4 too)
+      // 8-bit float caches ("<dtype>_fp8e4m3" / "_fp8e5m2") hold one byte per element.
+      const int cache_elem = std::strstr(dtype_name, "_fp8") != nullptr ? 1 : itemsize;
+      const int elem = i == kQ ? itemsize : i <= kV ? cache_elem : int(sizeof(int32_t));  // (float32 sinks: 4)
       buffers[slots[i]] = inputs.back()->data() + offsets[i] * elem;
     }
     if (!has_sinks) {
