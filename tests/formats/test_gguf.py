@@ -317,3 +317,9 @@ def test_doctor_describes_a_gguf(files, tmp_path):
     assert report["memory"]["metal_float16"] < loaded.weights_bytes / 4
     refused = model_check(str(_tiny_gguf(tmp_path / "b.gguf", arch="bert")))
     assert not refused["served"] and "GGUF architecture 'bert' is not mapped" in refused["reason"]
+
+
+def test_docs_table_of_ggml_types_is_generated():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    block = text.split("<!-- BEGIN GENERATED: ggml-types -->\n", 1)[1].split("\n<!-- END GENERATED", 1)[0]
+    assert block == gguf_quants.markdown_table(), "regenerate: python -m vllm_metal.formats.gguf_quants"

@@ -170,3 +170,24 @@ def kind_of(name: str) -> str:
 
 def bits_of(name: str) -> int | None:
     return EXACT_BITS.get(name) or REQUANT_BITS.get(name)
+
+
+def markdown_table() -> str:
+    """How each GGML type is served (docs/checkpoints.md; tests keep it in sync)."""
+    import gguf
+
+    rows = ["| GGML type | served as | exact | added error (bound, relative RMS) |", "|---|---|---|---|"]
+    for name in FLOAT_TYPES:
+        rows.append(f"| {name} | floating point (the model dtype) | yes | 0 |")
+    for name, bits in EXACT_BITS.items():
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0]
+        rows.append(f"| {name} | MLX affine {bits}-bit, group {GROUP} (blocks of {block} repacked) | yes | 0 |")
+    for name, bits in REQUANT_BITS.items():
+        rows.append(f"| {name} | MLX affine {bits}-bit, group {GROUP} (re-quantized) | no | "
+                    f"{100 * REQUANT_LOSS[name]:.1f}% |")
+    rows.append("| any other (TQ1_0, TQ2_0, MXFP4, I8..I64, F64, ...) | refused, naming the tensor and type | | |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
