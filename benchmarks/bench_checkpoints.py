@@ -44,7 +44,11 @@ def child(path: str, dequantize: bool) -> dict:
     from vllm_metal.native import ops  # noqa: F401  (fast BLAS before mlx)
     from vllm_metal.models.loader import load_model
 
+    import gguf  # noqa: F401  (every module either path imports, imported before measuring)
     import mlx.core as mx  # noqa: F401
+    import mlx_lm.utils  # noqa: F401
+
+    from vllm_metal.formats import awq_gptq, gguf_checkpoint  # noqa: F401
 
     before = _rss()
     start = time.perf_counter()

@@ -38,9 +38,15 @@ SYSTEMS = {"vllm-metal": "float32 cache", "vllm-metal-fp8": "fp8 (E4M3) cache"}
 CAPACITY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
-def capacity(log: str) -> float | None:
+def capacity(log: str) -> dict | None:
+    """The tokens the server's KV cache holds (vLLM's startup line: its maximum
+    concurrency at max_model_len tokens per request)."""
     m = CAPACITY.search(Path(log).read_text(errors="replace")) if Path(log).exists() else None
-    return float(m.group(2)) if m else None
+    if not m:
+        return None
+    per_request = int(m.group(1).replace(",", ""))
+    return {"max_model_len": per_request, "concurrency": float(m.group(2)),
+            "tokens": float(m.group(2)) * per_request}
 
 
 def render(report: dict) -> str:
@@ -49,13 +55,16 @@ def render(report: dict) -> str:
              f"`{meta['plugin_revision']}`; SmolLM2-135M float32, sonnet prompts ({report['input_len']} + "
              f"{report['output_len']} tokens), concurrency {report['concurrency']}, {report['num_prompts']} prompts, "
              f"--kv-cache-memory-bytes {report['kv_cache_bytes'] >> 20} MiB.", "",
-             "| KV cache | requests the cache holds | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | foreign cores |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"| KV cache | tokens the cache holds | {report['input_len'] + report['output_len']}-token requests it holds "
+             "| output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | foreign cores |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for run in report["runs"]:
         if "error" in run:
-            lines.append(f"| {SYSTEMS[run['system']]} | failed: {run['error']} | | | | |")
+            lines.append(f"| {SYSTEMS[run['system']]} | failed: {run['error']} | | | | | |")
             continue
-        lines.append(f"| {SYSTEMS[run['system']]} | {run['capacity']:.2f} | {run['output_tok_s']:.1f} | "
+        tokens = run["capacity"]["tokens"]
+        lines.append(f"| {SYSTEMS[run['system']]} | {tokens:,.0f} | "
+                     f"{tokens / (report['input_len'] + report['output_len']):.1f} | {run['output_tok_s']:.1f} | "
                      f"{run['ttft_p50_ms']:.0f} | {run['tpot_p50_ms']:.1f} | {run['foreign_cores']:.2f} |")
     return "\n".join(lines)
 

@@ -220,6 +220,7 @@ def load_weights(path: Path, config: dict) -> tuple[dict, dict]:
         for suffix, part in zip(("weight", "scales", "biases"), parts):
             weights[f"{base}.{suffix}"] = mx.array(part)
         quant[base] = (quants.GROUP, quants.bits_of(type_name))
+    _READERS.clear()  # unmap the file: every tensor is an MLX array of its own now
     return weights, quant
 
 
