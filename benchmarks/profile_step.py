@@ -144,12 +144,12 @@ class TimedRunner:
         self.stamps: dict[str, float] = {}
         self.last: tuple | None = None  # (inputs, logit_rows) of the latest step
         model_config = SimpleNamespace(model=model_dir, dtype=torch.float32, logprobs_mode="raw_logprobs",
-                                       runner_type="generate",
+                                       runner_type="generate", hf_config_path=None,
                                        logits_processors=None, get_vocab_size=lambda: self.vocab)
         self.vocab = 0
         config = SimpleNamespace(model_config=model_config, speculative_config=None,
                                  scheduler_config=SimpleNamespace(max_num_seqs=max(max_batch, 1)),
-                                 cache_config=SimpleNamespace(block_size=BLOCK))
+                                 cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"))
         self.runner = runner = MetalModelRunner(config, device)
         runner.load_model()
         loaded = runner.mlx_model

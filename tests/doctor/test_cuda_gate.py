@@ -88,7 +88,8 @@ def engine_config(model_dir, **kwargs):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(quantization="fp8"), r"--quantization fp8 .* asks for FP8 / NVFP4 .*CUDA-only.*Instead: serve MLX-quantized"),
-    (dict(kv_cache_dtype="fp8"), r"--kv-cache-dtype fp8 asks for FP8 KV cache"),
+    (dict(kv_cache_dtype="int8_per_token_head"), r"--kv-cache-dtype int8_per_token_head asks for quantized KV caches "
+                                                 r"other than fp8"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
      r"--speculative-config asks for speculative decoding"),
     # Accepted by vLLM, and silently ignored by the MLX runner until refused:
