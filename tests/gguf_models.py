@@ -108,6 +108,29 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=1).reshape(w.shape[0], -1)
 
 
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """(rows, n) float -> Q5_K blocks (rows, n / 256 * 176) uint8: Q4_K's
+    scales, a fifth bit per value in qh (bit 2j: group 2j, 2j + 1: group 2j + 1)."""
+    v = w.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(v.min(axis=2), 0)
+    scale = np.maximum((v.max(axis=2) - lo) / 31, 1e-8)
+    d = np.maximum(scale.max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
+    dmin = np.maximum((-lo).max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(scale / d[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
+    q = np.clip(np.rint((v + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, 31).astype(np.uint8)
+    packed = np.zeros((len(v), 12), np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    groups = q.reshape(-1, 8, 32)  # group g = 2j + half
+    qs = ((groups[:, 0::2] & 15) | ((groups[:, 1::2] & 15) << 4)).reshape(-1, 128)
+    qh = np.zeros((len(v), 32), np.uint8)
+    for g in range(8):
+        qh |= (groups[:, g] >> 4) << g
+    return np.concatenate([_f16(d), _f16(dmin), packed, qh, qs], axis=1).reshape(w.shape[0], -1)
+
+
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     """(rows, n) float -> Q6_K blocks (rows, n / 256 * 210) uint8."""
     v = w.reshape(-1, 16, 16).astype(np.float32)
@@ -135,6 +158,8 @@ def encode(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
     flat = w.reshape(-1, w.shape[-1])
     if type_name == "Q4_K":
         data = quantize_q4_k(flat)
+    elif type_name == "Q5_K":
+        data = quantize_q5_k(flat)
     elif type_name == "Q6_K":
         data = quantize_q6_k(flat)
     else:

@@ -218,3 +218,23 @@ def test_doctor_describes_awq_and_refusals(tmp_path):
     write_checkpoint(tmp_path / "act", method="gptq", config_overrides=dict(desc_act=True))
     refused = model_check(str(tmp_path / "act"))
     assert not refused["served"] and "quantization_config.desc_act = True" in refused["reason"]
+
+
+def test_gptq_checkpoint_served_by_vllm(model_dir, tmp_path):
+    """GPTQ through vLLM's config path (its method name for the checkpoint),
+    float16 activations as vLLM allows them; exact in float32 above."""
+    from engine_helpers import engine
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    meant = write_checkpoint(tmp_path / "gptq", method="gptq", symmetric=True)
+    with engine(_with_tokenizer(tmp_path / "gptq", model_dir), dtype="float16", max_model_len=256,
+                kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32) as llm:
+        assert llm.llm_engine.model_config.quantization in ("gptq", "auto_gptq", "gptq_marlin")
+        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)],
+                           SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+    ref = logprobs(reference_model(CONFIG, meant), PROMPT)
+    got = np.array([out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))])
+    np.testing.assert_allclose(got, ref[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=0.05)

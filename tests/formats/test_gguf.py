@@ -61,17 +61,8 @@ def test_pack_bits_is_mlx_layout(bits, rng):
 
 
 def _blocks(type_name, rows, n, rng):
-    """Blocks of `type_name`: encoded from Gaussian weights where an encoder
-    exists, else random bytes with finite float16 headers."""
-    import gguf
-
-    if type_name != "Q5_K":
-        return encode(rng.standard_normal((rows, n)).astype(np.float32) * 0.05, type_name)[0]
-    qtype = gguf.GGMLQuantizationType[type_name]
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    b = rng.integers(0, 256, (rows * n // 256, size), dtype=np.uint8)
-    b[:, 0:4] = (np.abs(rng.normal(0, 0.01, (len(b), 2))).astype(np.float16)).view(np.uint8)
-    return b.reshape(rows, -1)
+    """Blocks of `type_name` encoded from Gaussian weights (tests/gguf_models.py)."""
+    return encode(rng.standard_normal((rows, n)).astype(np.float32) * 0.05, type_name)[0]
 
 
 @pytest.mark.parametrize("type_name", sorted(gguf_quants.EXACT_BITS))
@@ -114,7 +105,7 @@ def _recipe(model_type):
             return "F32" if name.endswith("mlp.gate.weight") else "Q4_K" if "switch_mlp" in name else "Q8_0"
         if model_type == "gemma3_text":
             return "Q4_0"
-        return "Q4_K" if "qkv" in name or "gate_up" in name else "Q5_1"  # phi3: fused projections
+        return "Q5_K" if "qkv" in name or "gate_up" in name else "Q5_1"  # phi3: fused projections
     return recipe
 
 
