@@ -36,6 +36,11 @@ MODELS = {
                                    query_pre_attn_scalar=64, rope_local_base_freq=10000.0, rope_scaling=None,
                                    tie_word_embeddings=True)),
     "phi3": ("phi3", dict(partial_rotary_factor=0.5)),
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=64, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                              tie_word_embeddings=True)),
+    "qwen2_moe": ("qwen2moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                                   shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
+                                   norm_topk_prob=False)),
 }
 # GGUF block tensor name <- mlx-lm module (inverse of llama.cpp's naming).
 BLOCK = {
@@ -45,7 +50,9 @@ BLOCK = {
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp",
     "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
-    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 GEMMA_BLOCK = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
@@ -229,6 +236,11 @@ def write(model_type: str, out: Path, tokenizer_gguf: str, recipe, seed: int = 0
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if "attn_logit_softcapping" in config:
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if "sliding_window" in config:
         writer.add_sliding_window(config["sliding_window"])
     tok = GGUFFile(tokenizer_gguf).metadata
@@ -250,7 +262,9 @@ def write(model_type: str, out: Path, tokenizer_gguf: str, recipe, seed: int = 0
             stored = w + np.float32(1.0)  # llama.cpp stores gemma's 1 + w
         if arch == "llama" and module in heads:
             stored = _permute(stored, heads[module])
-        type_name = recipe(name, w) if w.ndim >= 2 else "F32"
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp writes this [1, hidden] gate as a vector
+            stored = stored.reshape(-1)
+        type_name = recipe(name, w) if stored.ndim >= 2 else "F32"
         data, qtype = encode(stored, type_name)
         writer.add_tensor(gguf_name(model_type, name), data, raw_shape=data.shape if qtype.name in ("F32", "F16")
                           else None, raw_dtype=qtype)
@@ -264,7 +278,8 @@ def write(model_type: str, out: Path, tokenizer_gguf: str, recipe, seed: int = 0
             bits = REQUANTIZED[qtype.name]
             back = np.array(mx.dequantize(*mx.quantize(mx.array(back), group_size=32, bits=bits), group_size=32,
                                           bits=bits))
-        served[name] = back
+        served[name] = back.reshape(w.shape)
+        exact[name] = exact[name].reshape(w.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

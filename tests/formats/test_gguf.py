@@ -103,8 +103,10 @@ def _recipe(model_type):
             return "F16" if "mlp" in name else "Q8_0"
         if model_type == "qwen3_moe":
             return "F32" if name.endswith("mlp.gate.weight") else "Q4_K" if "switch_mlp" in name else "Q8_0"
-        if model_type == "gemma3_text":
+        if model_type in ("gemma3_text", "gemma2"):
             return "Q4_0"
+        if model_type == "qwen2_moe":
+            return "Q5_1" if "switch_mlp" in name else "F32" if name.endswith("mlp.gate.weight") else "Q8_0"
         return "Q5_K" if "qkv" in name or "gate_up" in name else "Q5_1"  # phi3: fused projections
     return recipe
 
@@ -147,7 +149,7 @@ def test_transformers_reads_the_files_alike(model_type, files):
     if model_type == "qwen3_moe":
         hf_config.norm_topk_prob = True
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=hf_config,
-                                                 torch_dtype=torch.float32)
+                                                 torch_dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT])).logits[0].double().numpy()
     logits -= logits.max(axis=-1, keepdims=True)
