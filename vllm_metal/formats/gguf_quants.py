@@ -94,14 +94,25 @@ def unpack_bits(words: np.ndarray, bits: int) -> np.ndarray:
     return q.reshape(*lead, -1).astype(np.uint8)
 
 
+_BLOCKS_PER_CALL = 1 << 16  # bounds the temporaries of one vectorised dequantization
+
+
 def dequantize(raw: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The `gguf` package's reference float32 values of a tensor."""
+    """The `gguf` package's reference float32 values of a tensor (its
+    per-type block decoder, called on many blocks at once: the package's
+    `dequantize` walks a few rows per Python call)."""
     import gguf
 
-    if name == "F32":
-        return np.asarray(raw, np.float32).reshape(shape)
+    if name in ("F32", "F16"):
+        return np.asarray(raw).astype(np.float32).reshape(shape)
     qtype = gguf.GGMLQuantizationType[name]
-    return gguf.quants.dequantize(np.asarray(raw), qtype).astype(np.float32).reshape(shape)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
+    decoder = getattr(gguf.quants, name)
+    out = np.empty((len(blocks), block), np.float32)
+    for i in range(0, len(blocks), _BLOCKS_PER_CALL):
+        out[i:i + _BLOCKS_PER_CALL] = decoder.dequantize_blocks(blocks[i:i + _BLOCKS_PER_CALL])
+    return out.reshape(shape)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
