@@ -1,5 +1,5 @@
-"""What an 8-bit KV cache (`--kv-cache-dtype fp8` = fp8_e4m3, `fp8_e5m2`)
-does to the model: next-token distributions with the 8-bit cache against the
+"""What an 8-bit KV cache (`--kv-cache-dtype fp8` = fp8_e4m3, `fp8_e5m2`,
+`fp8_per_token_head`) does to the model: next-token distributions with the 8-bit cache against the
 float32 cache, teacher-forced over 2048-token contexts (the sonnet text from
 two starting lines), through the paged path the runner serves
 (`LoadedModel.forward`, 256-token chunks: every later chunk reads the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 BEGIN, END = "<!-- BEGIN GENERATED: kv-cache-quality -->", "<!-- END GENERATED: kv-cache-quality -->"
-FORMATS = ("fp8_e4m3", "fp8_e5m2")
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_per_token_head")
 CONTEXT, CHUNK, BLOCK = 2048, 256, 16
 
 

@@ -80,12 +80,14 @@ mx::array paged_attention(
     os << "q must be float32, float16 or bfloat16, got " << dt;
     fail(os.str());
   }
-  if (cache_format != kCacheAsQuery && cache_format != kCacheFp8E4M3 && cache_format != kCacheFp8E5M2) {
+  if (cache_format < kCacheAsQuery || cache_format > kCacheFp8E4M3Row) {
     std::ostringstream os;
-    os << "cache_format must be 0 (the caches in q's dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2), got "
-       << cache_format;
+    os << "cache_format must be 0 (the caches in q's dtype), 1 (fp8 e4m3), 2 (fp8 e5m2) or 3 (fp8 e4m3 "
+       << "with a scale per row), got " << cache_format;
     fail(os.str());
   }
+  // Bytes after each row's values: its scale (kCacheFp8E4M3Row).
+  const int row_extra = cache_format == kCacheFp8E4M3Row ? kRowScaleBytes : 0;
   const auto cache_dt = cache_format == kCacheAsQuery ? dt : mx::uint8;
   for (auto [a, name] : {std::pair{&key_cache, "key_cache"},
                          std::pair{&value_cache, "value_cache"}}) {
@@ -121,11 +123,11 @@ mx::array paged_attention(
   const int num_blocks = key_cache.shape(0);
   const int block_size = key_cache.shape(1);
   const int num_kv_heads = key_cache.shape(2);
-  const int value_row = value_cache.shape(3);
+  const int value_row = value_cache.shape(3) - row_extra;
   std::ostringstream os;
-  if (key_cache.shape(3) != head_dim) {
+  if (key_cache.shape(3) - row_extra != head_dim) {
     os << "head_dim mismatch: q has " << head_dim << ", key_cache has "
-       << key_cache.shape(3);
+       << key_cache.shape(3) << (row_extra ? " (head_dim + 4 scale bytes expected)" : "");
     fail(os.str());
   }
   if (!is_supported_head_dim(head_dim)) {
@@ -149,6 +151,11 @@ mx::array paged_attention(
     fail(os.str());
   }
   const int v_dim = v_head_dim.value_or(head_dim);
+  if (row_extra && v_dim != value_row) {
+    os << "value_cache rows with a scale must hold exactly v_head_dim (" << v_dim << ") values + 4 bytes, got "
+       << value_cache.shape(3) << " bytes";
+    fail(os.str());
+  }
   if (!is_supported_v_head_dim(v_dim)) {
     os << "v_head_dim " << v_dim
        << (v_head_dim ? "" : " (the key head_dim, v_head_dim being None)")

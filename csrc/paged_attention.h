@@ -34,7 +34,11 @@ namespace mx = mlx::core;
 // the top byte of a float16). An 8-bit cache is read as the stored value
 // times one per-layer scale per cache; the caller folds the key scale into
 // `scale` and applies the value scale to the output (vllm_metal.native.ops).
-enum CacheFormat : int { kCacheAsQuery = 0, kCacheFp8E4M3 = 1, kCacheFp8E5M2 = 2 };
+// kCacheFp8E4M3Row (vLLM's fp8_per_token_head): E4M3 codes, each row (one
+// token, one KV head) followed by its own float32 scale (4 bytes, little
+// endian): rows of head_dim + 4 (keys) and v_head_dim + 4 (values) bytes.
+enum CacheFormat : int { kCacheAsQuery = 0, kCacheFp8E4M3 = 1, kCacheFp8E5M2 = 2, kCacheFp8E4M3Row = 3 };
+constexpr int kRowScaleBytes = 4;
 
 // Everything that is not an array input. sliding_window <= 0 and softcap <= 0
 // mean "off". Sinks are an array input (the 7th, when present).

@@ -144,6 +144,12 @@ inline float load_float(const device fp8_e4m3* base, int64_t offset) {
   return (b & 0x80u) != 0u ? -v : v;
 }
 
+// E4M3 codes of a row followed by the row's float32 scale (cache_format 3,
+// vLLM's fp8_per_token_head).
+struct fp8_e4m3_row {
+  uchar bits;
+};
+
 // E5M2 (the top byte of a float16): 2^(e-15) * (1 + m/4), subnormals
 // m * 2^-16, exponent 31 infinity (m = 0) or NaN.
 inline float load_float(const device fp8_e5m2* base, int64_t offset) {
@@ -152,6 +158,23 @@ inline float load_float(const device fp8_e5m2* base, int64_t offset) {
   float v = e == 0u ? float(m) * 0.0000152587890625f : ldexp(1.0f + float(m) * 0.25f, int(e) - 15);
   v = e == 31u ? (m == 0u ? INFINITY : NAN) : v;
   return (b & 0x80u) != 0u ? -v : v;
+}
+
+// Element d of the cache row at element offset `row` (elements `stride`
+// apart; n: the row's values), as a float.
+template <typename C>
+inline float load_cache(const device C* base, int64_t row, int d, int64_t stride, int n) {
+  return load_float(base, row + d * stride);
+}
+
+// A row with its own scale: the E4M3 code times the float32 after the n codes.
+inline float load_cache(const device fp8_e4m3_row* base, int64_t row, int d, int64_t stride, int n) {
+  const device fp8_e4m3* codes = reinterpret_cast<const device fp8_e4m3*>(base);
+  uint bits = 0u;
+  for (int i = 0; i < 4; ++i) {
+    bits |= uint(base[row + (n + i) * stride].bits) << (8 * i);
+  }
+  return load_float(codes, row + d * stride) * as_type<float>(bits);
 }
 
 // q.k -> the logit the softmax sees, in the CPU backend's order: scale, then

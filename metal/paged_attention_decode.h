@@ -112,12 +112,12 @@ template <typename T, int DPL_K, int DPL_V, int HG, typename C = T>
     float kx[DPL_K];  // the key row's slice, loaded once for every head
     for (int i = 0; i < DPL_K; ++i) {
       const int d = i * W + int(lane);
-      kx[i] = d < D ? load_float(k_cache, k_row + d * args.k_strides[3]) : 0.0f;
+      kx[i] = d < D ? load_cache(k_cache, k_row, d, args.k_strides[3], D) : 0.0f;
     }
     float vx[DPL_V];  // the value row's slice, likewise
     for (int i = 0; i < DPL_V; ++i) {
       const int d = i * W + int(lane);
-      vx[i] = d < Dv ? load_float(v_cache, v_row + d * args.v_strides[3]) : 0.0f;
+      vx[i] = d < Dv ? load_cache(v_cache, v_row, d, args.v_strides[3], Dv) : 0.0f;
     }
     for (int h = 0; h < HG; ++h) {
       if (h >= nh) {  // uniform in the threadgroup

@@ -70,10 +70,12 @@ inline int head_dim_tier(int head_dim, int v_head_dim) {
 
 // The kernels' dtype name: q's ("float32", "float16", "bfloat16"), then, for
 // 8-bit float caches (PagedAttentionParams::cache_format 1: E4M3, 2: E5M2),
-// the cache's ("float16_fp8e4m3"): paged_attention.metal's instantiations.
+// the cache's ("float16_fp8e4m3"; 3: E4M3 rows with a float32 scale each,
+// "_fp8row"): paged_attention.metal's instantiations.
 inline std::string kernel_dtype(const std::string& q_dtype_name, int cache_format) {
   return cache_format == 1 ? q_dtype_name + "_fp8e4m3"
       : cache_format == 2  ? q_dtype_name + "_fp8e5m2"
+      : cache_format == 3  ? q_dtype_name + "_fp8row"
                            : q_dtype_name;
 }
 

@@ -115,12 +115,12 @@ template <typename T, int DPL_K, int DPL_V, int NSG, int R, int KT, typename C =
           const int key = kb + j;
           const int slot = key - (key / args.block_size) * args.block_size;
           if (d < D) {
-            kx = load_float(k_cache, cache_row(args.k_strides, block, slot, kv_head) +
-                                         d * args.k_strides[3]);
+            kx = load_cache(k_cache, cache_row(args.k_strides, block, slot, kv_head), d,
+                            args.k_strides[3], D);
           }
           if (d < Dv) {
-            vx = load_float(v_cache, cache_row(args.v_strides, block, slot, kv_head) +
-                                         d * args.v_strides[3]);
+            vx = load_cache(v_cache, cache_row(args.v_strides, block, slot, kv_head), d,
+                            args.v_strides[3], Dv);
           }
         }
         k_tile[e] = kx;

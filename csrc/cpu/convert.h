@@ -68,6 +68,10 @@ struct Fp8E4M3 {
 struct Fp8E5M2 {
   uint8_t bits;
 };
+// E4M3 codes of a row followed by the row's float32 scale (cache_format 3).
+struct Fp8E4M3Row {
+  uint8_t bits;
+};
 
 // OCP FP8 E4M3 ("fn": no infinities; S.1111.111 is NaN): 2^(e-7) * (1 + m/8),
 // subnormals m * 2^-9.
@@ -105,6 +109,16 @@ inline void load_row(const Fp8E4M3* src, int64_t stride, int n, float* dst) {
 inline void load_row(const Fp8E5M2* src, int64_t stride, int n, float* dst) {
   const float* table = fp8_table<fp8_e5m2_value>();
   for (int d = 0; d < n; ++d) dst[d] = table[src[d * stride].bits];
+}
+
+// The n codes of a row, each times the float32 scale stored after them.
+inline void load_row(const Fp8E4M3Row* src, int64_t stride, int n, float* dst) {
+  const float* table = fp8_table<fp8_e4m3_value>();
+  uint8_t bytes[4];
+  for (int i = 0; i < 4; ++i) bytes[i] = src[(n + i) * stride].bits;
+  float scale;
+  std::memcpy(&scale, bytes, sizeof(scale));
+  for (int d = 0; d < n; ++d) dst[d] = table[src[d * stride].bits] * scale;
 }
 
 inline void store_row(const float* src, int n, float* dst) {

@@ -411,6 +411,9 @@ void run_with_cache(const KernelArgs& args) {
     case kCacheFp8E5M2:
       CpuPagedAttention<T, Fp8E5M2>(args).run();
       break;
+    case kCacheFp8E4M3Row:
+      CpuPagedAttention<T, Fp8E4M3Row>(args).run();
+      break;
     default:
       CpuPagedAttention<T>(args).run();
   }

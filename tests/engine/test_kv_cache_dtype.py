@@ -1,4 +1,4 @@
-"""`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`: 8-bit float KV caches.
+"""`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2 | fp8_per_token_head`: 8-bit float KV caches.
 
 Quality on the embedded model (real weights): next-token distributions over
 a 571-token prompt with the 8-bit cache against the model-dtype cache, KL
@@ -18,7 +18,7 @@ from engine_helpers import GOLDEN, engine, greedy, paged_run, runner_of
 from vllm_metal.models.loader import load_model
 
 # (mean KL nats, top-1 agreement) bounds per format on the embedded model.
-BOUNDS = {"fp8_e4m3": (0.02, 0.97), "fp8_e5m2": (0.05, 0.95)}
+BOUNDS = {"fp8_e4m3": (0.02, 0.97), "fp8_e5m2": (0.05, 0.95), "fp8_per_token_head": (0.01, 0.97)}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,9 @@ def test_engine_holds_more_blocks_and_agrees(model_dir):
     half, _, _ = _blocks_and_answers(model_dir, "bfloat16", "auto", prompts[:1])
     half_fp8, _, _ = _blocks_and_answers(model_dir, "bfloat16", "fp8_e5m2", prompts[:1])
     assert abs(half_fp8 / half - 2) < 0.05  # a 16-bit cache (Metal's dtypes): twice the blocks
+    rows, row_dtype, row_answers = _blocks_and_answers(model_dir, "float32", "fp8_per_token_head", prompts)
+    assert row_dtype == "mlx.core.uint8" and abs(rows / blocks - 4 * 64 / 68) < 0.05  # 64 codes + a 4-byte scale
+    assert sum(a[:4] == b[:4] for a, b in zip(row_answers, want)) >= len(prompts) - 1
 
 
 def test_refusals(model_dir, tmp_path):
@@ -64,7 +67,7 @@ def test_refusals(model_dir, tmp_path):
 
     from vllm.engine.arg_utils import EngineArgs
 
-    with pytest.raises(Exception, match="int8_per_token_head.*fp8 \\(= fp8_e4m3\\) or fp8_e5m2"):
+    with pytest.raises(Exception, match="int8_per_token_head.*fp8 \\(= fp8_e4m3\\), fp8_e5m2 or fp8_per_token_head"):
         EngineArgs(model=model_dir, kv_cache_dtype="int8_per_token_head").create_engine_config()
     with pytest.raises(Exception, match="kv_cache_dtype=\"float16\" is incompatible with dtype=\"float32\""):
         EngineArgs(model=model_dir, dtype="float32", kv_cache_dtype="float16").create_engine_config()

@@ -530,7 +530,7 @@ def _check_bad_metadata(executor, tmp_path, case, kind, how):
         assert_close(out[exact_tokens], reference[exact_tokens], "float16", how)
 
 
-@pytest.mark.parametrize("cache_format", ["fp8e4m3", "fp8e5m2"])
+@pytest.mark.parametrize("cache_format", ["fp8e4m3", "fp8e5m2", "fp8row"])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_8bit_caches_match_cpu_primitive(executor, rng, dtype, kind, cache_format):
@@ -543,11 +543,15 @@ def test_8bit_caches_match_cpu_primitive(executor, rng, dtype, kind, cache_forma
     from vllm_metal.native import kv_quant, ops
 
     case = make_case(rng, dtype=dtype, head_dim=128, group=4, block_size=16, kind=kind)
-    name = {"fp8e4m3": "fp8_e4m3", "fp8e5m2": "fp8_e5m2"}[cache_format]
+    name = {"fp8e4m3": "fp8_e4m3", "fp8e5m2": "fp8_e5m2", "fp8row": "fp8_per_token_head"}[cache_format]
     codes = [np.array(kv_quant.encode(mx.array(case.key_cache), name)),
              rng.integers(0, 256, case.value_cache.shape, dtype=np.uint8)]
-    decoded = np.array(kv_quant.decode(mx.array(codes[1]), name))
+    element = "fp8_e4m3" if name == "fp8_per_token_head" else name
+    decoded = np.array(kv_quant.decode(mx.array(codes[1]), element))
     codes[1][~(np.abs(decoded) <= 16)] &= 0x80  # larger magnitudes (and NaN / inf) -> +-0
+    if name == "fp8_per_token_head":  # each value row gets a scale of its own
+        scales = rng.uniform(0.05, 4.0, case.value_cache.shape[:3] + (1,)).astype(np.float32)
+        codes[1] = np.concatenate([codes[1], scales.view(np.uint8)], axis=-1)
     q = storage(dtype, case.q)
     out, info = executor.paged_attention(dtype, q, codes[0], codes[1], case.block_tables, case.seq_lens,
                                          case.cu_seqlens_q, **case.kwargs(), cache_format=cache_format)
@@ -555,7 +559,7 @@ def test_8bit_caches_match_cpu_primitive(executor, rng, dtype, kind, cache_forma
               mx.array(case.block_tables), mx.array(case.seq_lens), mx.array(case.cu_seqlens_q)]
     ref = ops.paged_attention(*inputs, **case.kwargs(), kv_cache_dtype=name, stream=mx.cpu)
     assert_close(out, np.array(ref.astype(mx.float32)), dtype, f"{kind} {cache_format} {info}")
-    assert len(np.unique(codes[1])) >= 150
+    assert len(np.unique(codes[1][..., :case.value_cache.shape[-1]])) >= 150
 
 
 @pytest.mark.parametrize("cache_format", ["fp8e4m3", "fp8e5m2"])

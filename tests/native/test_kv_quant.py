@@ -59,7 +59,24 @@ def test_encode_rounds_like_the_format_definition(fmt, rng):
     np.testing.assert_array_equal(scaled, 4.0 * _round_f64(x[:100] / 4.0, fmt))
 
 
-@pytest.mark.parametrize("fmt,dtype,kind", list(itertools.product(FORMATS, ("float32", "float16", "bfloat16"),
+def test_per_token_head_rows_carry_their_scale(rng):
+    """fp8_per_token_head: each row's absmax becomes E4M3's 448; the row
+    decodes to its codes times its float32 scale (the 4 bytes after them)."""
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32) * rng.uniform(1e-4, 1e3, (5, 3, 1)).astype(np.float32)
+    enc = np.array(kv_quant.encode(mx.array(x), "fp8_per_token_head"))
+    assert enc.shape == (5, 3, 68) and enc.dtype == np.uint8
+    scale = enc[..., 64:].copy().view(np.float32)[..., 0]
+    np.testing.assert_allclose(scale, np.abs(x).max(-1) / 448, rtol=1e-6)
+    codes = np.array(kv_quant.decode(mx.array(enc[..., :64]), "fp8_e4m3"))
+    want = _round_f64(x.astype(np.float64) / scale[..., None].astype(np.float32), "fp8_e4m3")
+    np.testing.assert_array_equal(codes, want)
+    got = np.array(kv_quant.decode(mx.array(enc), "fp8_per_token_head"))
+    np.testing.assert_array_equal(got, codes * scale[..., None])
+    assert (np.abs(got - x) <= np.abs(x).max(-1, keepdims=True) / 16 + 1e-30).all()  # 3 mantissa bits, any range
+
+
+@pytest.mark.parametrize("fmt,dtype,kind", list(itertools.product(FORMATS + ("fp8_per_token_head",),
+                                                                  ("float32", "float16", "bfloat16"),
                                                                   ("decode", "prefill", "mixed"))))
 def test_attention_over_8bit_caches(fmt, dtype, kind, rng):
     block_size, head_dim = 16, 64
@@ -85,7 +102,7 @@ def test_attention_over_8bit_caches(fmt, dtype, kind, rng):
     # and the 8-bit cache is close to the float one it was made from
     exact = paged_attention_f64(to_np(q), b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
                                 b.scale)
-    assert np.abs(to_np(out) - exact).max() < (0.15 if fmt == "fp8_e4m3" else 0.3)
+    assert np.abs(to_np(out) - exact).max() < {"fp8_e4m3": 0.15, "fp8_e5m2": 0.3, "fp8_per_token_head": 0.15}[fmt]
 
 
 def test_write_kv_encodes_into_8bit_caches(rng):

@@ -58,7 +58,7 @@ def _quantization(cfg) -> str | None:
 
 # --kv-cache-dtype values vllm-metal's kernels serve (native/kv_quant.py): 8-bit
 # float caches; float16 / bfloat16 where they are the model dtype (= auto).
-SERVED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+SERVED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head")
 
 
 def _kv_cache_dtype(cfg) -> str | None:
@@ -144,9 +144,10 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
              ("VLLM_USE_TRITON_AWQ", "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
               "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_USE_FLASHINFER_MOE_INT4"),
              ("VLLM_MARLIN_", "VLLM_MXFP4_", "VLLM_MXFP8_")),
-    CudaPath("fp8_kv_cache", "quantized KV caches other than fp8 (per-token-head int8/fp8, TurboQuant, NVFP4, fp8_inc)",
+    CudaPath("fp8_kv_cache", "quantized KV caches other than fp8 (int8/int4 per token-head, TurboQuant, NVFP4, fp8_inc)",
              "their cache kernels are CUDA-only",
-             "--kv-cache-dtype fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit caches read by vllm-metal's kernels; or auto",
+             "--kv-cache-dtype fp8 (= fp8_e4m3), fp8_e5m2 or fp8_per_token_head: 8-bit caches read by vllm-metal's "
+             "kernels; or auto",
              "error", _kv_cache_dtype),
     CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
              "shared prefixes are reused through prefix caching", "warn"),  # no switch for it in vLLM 0.33

@@ -12,9 +12,11 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         SlidingWindowSpec)
 
 from vllm_metal.models.loaded_model import LoadedModel
+from vllm_metal.native.kv_quant import row_bytes
 
 MX_TO_TORCH = {mx.float32: torch.float32, mx.float16: torch.float16, mx.bfloat16: torch.bfloat16}
-KV_CACHE_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_TORCH = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                  "fp8_per_token_head": torch.uint8}  # rows of head_size codes + a float32 scale
 
 
 def kv_cache_dtype(vllm_config) -> str:
@@ -43,6 +45,8 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
                                              dtypes=dtypes, mamba_cache_mode=cache.mamba_cache_mode)
             continue
         common = dict(block_size=block_size, num_kv_heads=kv.num_kv_heads, head_size=kv.head_dim, dtype=cache_dtype)
+        if vllm_config.cache_config.cache_dtype == "fp8_per_token_head":  # K and V rows, each with its scale
+            common["state_content_bytes"] = 2 * row_bytes("fp8_per_token_head", kv.head_dim)
         if kv.layout == "latent":  # one latent row per token, no separate V (MLA has no windows)
             specs[layer_name(i)] = MLAAttentionSpec(**common)
         else:

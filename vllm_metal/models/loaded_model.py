@@ -125,7 +125,7 @@ class LoadedModel:
                 keys.append(mx.zeros((num_blocks, *conv), dtype=self.dtype))
                 values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
                 continue
-            shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv.head_dim)
+            shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv_quant.row_bytes(kv_cache_dtype, kv.head_dim))
             keys.append(None if kv.source is not None else mx.zeros(shape, dtype=cache_dtype))
             values.append(mx.zeros(shape, dtype=cache_dtype) if kv.source is None and kv.layout == "kv" else None)
         cache = PagedKVCache(keys, values, layer_group, kv_cache_dtype=kv_cache_dtype, dtype=self.dtype)
