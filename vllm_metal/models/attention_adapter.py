@@ -54,7 +54,8 @@ class PagedKVCache:
     retained: list = field(default_factory=list, repr=False)
     # vLLM's --kv-cache-dtype: "auto" (caches in the model dtype, `dtype`) or
     # an 8-bit float ("fp8", "fp8_e4m3", "fp8_e5m2": uint8 caches, per-layer
-    # scales 1.0 as vLLM's without checkpoint scales; native/kv_quant.py).
+    # scales 1.0 as vLLM's without checkpoint scales; "fp8_per_token_head":
+    # each row with its own scale; native/kv_quant.py).
     kv_cache_dtype: str = "auto"
     dtype: mx.Dtype = mx.float32
 
