@@ -218,7 +218,7 @@ def load_weights(path: Path, config: dict) -> tuple[dict, dict]:
             parts = [layout.unpermute_rows(p, heads) for p in parts]
         base = target.rsplit(".", 1)[0]
         for suffix, part in zip(("weight", "scales", "biases"), parts):
-            weights[f"{base}.{suffix}"] = mx.array(part)
+            weights[f"{base}.{suffix}"] = part if isinstance(part, mx.array) else mx.array(part)
         quant[base] = (quants.GROUP, quants.bits_of(type_name))
     _READERS.clear()  # unmap the file: every tensor is an MLX array of its own now
     return weights, quant

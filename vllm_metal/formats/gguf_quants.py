@@ -164,8 +164,9 @@ def requantize(raw: np.ndarray, name: str, shape: tuple[int, ...]):
     import mlx.core as mx
 
     w = mx.array(dequantize(raw, name, shape))
-    q, scales, biases = mx.quantize(w, group_size=GROUP, bits=REQUANT_BITS[name])
-    return np.array(q), np.array(scales), np.array(biases)
+    parts = mx.quantize(w, group_size=GROUP, bits=REQUANT_BITS[name])
+    mx.eval(parts)  # now, tensor by tensor: the float copy is freed before the next one
+    return parts  # MLX arrays (no round trip through numpy)
 
 
 def kind_of(name: str) -> str:
