@@ -96,20 +96,28 @@ def _f16(x):
     return np.asarray(x, np.float16).reshape(-1, 1).view(np.uint8)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """(rows, n) float -> Q4_K blocks (rows, n / 256 * 144) uint8."""
+def _k_quant(w: np.ndarray, top: int):
+    """Q4_K / Q5_K's shared part: per 32-value group an unsigned q in [0, top]
+    with w = d*sc*q - dmin*m, and the 12 bytes of 6-bit (sc, m) pairs as
+    get_scale_min_k4 reads them. Returns (d, dmin, packed scales, q [n, 8, 32])."""
     v = w.reshape(-1, 8, 32).astype(np.float32)  # super-blocks of 8 groups
     lo = np.minimum(v.min(axis=2), 0)
-    scale = np.maximum((v.max(axis=2) - lo) / 15, 1e-8)
+    scale = np.maximum((v.max(axis=2) - lo) / top, 1e-8)
     d = np.maximum(scale.max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
     dmin = np.maximum((-lo).max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
     sc = np.clip(np.rint(scale / d[:, None]), 1, 63).astype(np.uint8)
     mn = np.clip(np.rint(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    q = np.clip(np.rint((v + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, 15).astype(np.uint8)
-    packed = np.zeros((len(v), 12), np.uint8)  # 6-bit (scale, min) pairs, as get_scale_min_k4 reads them
+    q = np.clip(np.rint((v + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, top).astype(np.uint8)
+    packed = np.zeros((len(v), 12), np.uint8)
     packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return d, dmin, packed, q
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """(rows, n) float -> Q4_K blocks (rows, n / 256 * 144) uint8."""
+    d, dmin, packed, q = _k_quant(w, 15)
     chunks = q.reshape(-1, 4, 2, 32)  # chunk j: groups 2j (low nibbles) and 2j + 1 (high)
     qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
     return np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=1).reshape(w.shape[0], -1)
@@ -117,22 +125,10 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 
 def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     """(rows, n) float -> Q5_K blocks (rows, n / 256 * 176) uint8: Q4_K's
-    scales, a fifth bit per value in qh (bit 2j: group 2j, 2j + 1: group 2j + 1)."""
-    v = w.reshape(-1, 8, 32).astype(np.float32)
-    lo = np.minimum(v.min(axis=2), 0)
-    scale = np.maximum((v.max(axis=2) - lo) / 31, 1e-8)
-    d = np.maximum(scale.max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
-    dmin = np.maximum((-lo).max(axis=1) / 63, 1e-8).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.rint(scale / d[:, None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.rint(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    q = np.clip(np.rint((v + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]), 0, 31).astype(np.uint8)
-    packed = np.zeros((len(v), 12), np.uint8)
-    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    groups = q.reshape(-1, 8, 32)  # group g = 2j + half
+    scales, a fifth bit per value in qh (bit g: group g)."""
+    d, dmin, packed, groups = _k_quant(w, 31)
     qs = ((groups[:, 0::2] & 15) | ((groups[:, 1::2] & 15) << 4)).reshape(-1, 128)
-    qh = np.zeros((len(v), 32), np.uint8)
+    qh = np.zeros((len(groups), 32), np.uint8)
     for g in range(8):
         qh |= (groups[:, g] >> 4) << g
     return np.concatenate([_f16(d), _f16(dmin), packed, qh, qs], axis=1).reshape(w.shape[0], -1)

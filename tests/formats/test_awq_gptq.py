@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from engine_helpers import GOLDEN, paged_run
+from families import logprobs_of
 from gguf_models import random_model, reference_model
 
 from vllm_metal.formats.awq_gptq import UnsupportedQuantization
@@ -87,9 +87,7 @@ def write_checkpoint(out: Path, method: str, bits: int = 4, group: int = 128, sy
 
 
 def logprobs(model, tokens) -> np.ndarray:
-    logits = np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return logprobs_of(model)(tokens)  # tests/families.py: float64 log-softmax of mlx-lm's forward
 
 
 CASES = {

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, paged_run
+from families import logprobs_of
 from gguf_models import MODELS, config_of, encode, reference_model, write
 
 from vllm_metal.formats import gguf_checkpoint, gguf_quants
@@ -29,9 +30,7 @@ TOL = 1e-3
 
 
 def logprobs(model, tokens) -> np.ndarray:
-    logits = np.array(model(mx.array(tokens)[None])[0].astype(mx.float32)).astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return logprobs_of(model)(tokens)  # tests/families.py: float64 log-softmax of mlx-lm's forward
 
 
 # -- reader and types ---------------------------------------------------------
