@@ -55,6 +55,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma3_text": ("Gemma3ForCausalLM", dict(num_hidden_layers=3, sliding_window=24, sliding_window_pattern=3,
                                               query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                                               rope_scaling=None)),
+    # Gemma 3's vision-language checkpoints: the text model under `language_model`.
+    "gemma3": ("Gemma3ForConditionalGeneration", dict(
+        num_hidden_layers=3, sliding_window=24, sliding_window_pattern=3, query_pre_attn_scalar=16,
+        rope_local_base_freq=10000.0, rope_scaling=None)),
+    # Qwen2.5-VL: qwen2 under `language_model`, M-RoPE sections (plain RoPE on text).
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", dict(
+        head_dim=DROP, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})),
     # Every gemma4 trait in one model: layers S F S F, the last two reading
     # layers 0 and 1's caches; full layers with 32-wide heads, keys as
     # values and 2 KV heads (twice the sliding layers' page size); per-layer
@@ -200,7 +207,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 
 # Families whose checkpoints nest the text model's config under
 # `text_config` (model_type -> the text config's model_type), as Qwen3.5's do.
-TEXT_CONFIG = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Vision-language architectures (vLLM's multimodal models): their parity models are served text-only.
+VISION_LANGUAGE = {"gemma3", "qwen2_5_vl"}
+
+TEXT_CONFIG = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
+               "qwen2_5_vl": "qwen2_5_vl_text"}
 
 
 def config_of(model_type: str) -> dict:
@@ -213,6 +224,8 @@ def config_of(model_type: str) -> dict:
         config = {"model_type": model_type, "architectures": [arch], "torch_dtype": "float32",
                   "tie_word_embeddings": text["tie_word_embeddings"],
                   "text_config": {**text, "model_type": TEXT_CONFIG[model_type]}}
+        if model_type in VISION_LANGUAGE:  # read at the top by mlx-lm's gemma3 (its default: Gemma 3's vocabulary)
+            config["vocab_size"] = text["vocab_size"]
     return config
 
 

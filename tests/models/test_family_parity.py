@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
-from families import FAMILIES, build, reference_logprobs
+from families import FAMILIES, VISION_LANGUAGE, build, reference_logprobs
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -79,8 +79,10 @@ def test_family_matches_mlx_lm(model_type, bits, model_dir, tmp_path):
         check_registry_facts(model_type, variant)
     ref = reference_logprobs(variant)
     hybrid = bool(SERVED[model_type].linear)
+    # Vision-language families' text model (their images: tests/multimodal); the parity model has no tower.
+    text_only = {"language_model_only": True} if model_type in VISION_LANGUAGE else {}
     with engine(variant, max_model_len=512, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
-                max_num_seqs=8) as llm:
+                max_num_seqs=8, **text_only) as llm:
         batched = generate(llm, PROMPTS, prompt_logprobs=0)
         solo = [generate(llm, [p])[0] for p in PROMPTS]
         again = generate(llm, [PROMPTS[2]])[0]

@@ -57,7 +57,11 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
 
 def kv_bytes_ratio(vllm_config, specs: dict[str, KVCacheSpec]) -> float:
     """MetalModelRunner.kv_bytes_ratio: bytes allocated here per byte vLLM
-    plans for the KV cache `specs` (>= 1)."""
+    plans for the KV cache `specs` (>= 1). vLLM's hybrid manager lets one
+    layer of each cache group share a tensor (block ids never overlap between
+    groups); MLX's functional cache writes cannot alias, so every layer here
+    has its own arrays. The worker divides its budget by this so the memory
+    really used stays within it. 1.0 with a single group."""
     from copy import deepcopy
 
     from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder

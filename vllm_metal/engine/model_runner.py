@@ -46,6 +46,7 @@ from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
+from vllm_metal.multimodal.serving import MultimodalStep, build as build_multimodal
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
@@ -94,6 +95,7 @@ class MetalModelRunner:
         self.kv_connector = None
         # LoRA adapters (--enable-lora): the loaded ones and each step's deltas (adapters/pool.py).
         self.adapters: AdapterPool | None = None
+        self.multimodal: MultimodalStep | None = None  # a vision-language model serving images
 
     # ---- start-up -------------------------------------------------------
 
@@ -115,6 +117,9 @@ class MetalModelRunner:
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel,
                                     config_path=self.model_config.hf_config_path)
         m = self.mlx_model
+        mm = self.model_config.multimodal_config
+        if self.model_config.is_multimodal_model and mm is not None and not mm.language_model_only:
+            self.multimodal = build_multimodal(self.model_config, m, m.dtype)  # images (multimodal/)
         lora = getattr(self.vllm_config, "lora_config", None)
         if lora is not None:
             self.adapters = AdapterPool(m, m.dtype, lora.max_lora_rank, lora.max_loras,
@@ -145,12 +150,7 @@ class MetalModelRunner:
         return kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
 
     def kv_bytes_ratio(self) -> float:
-        """How many bytes this runner allocates per byte vLLM plans for the
-        KV cache (>= 1). vLLM's hybrid manager lets one layer of each cache
-        group share a tensor (block ids never overlap between groups); MLX's
-        functional cache writes cannot alias, so every layer here has its own
-        arrays. The worker divides its budget by this so the memory really
-        used stays within it. 1.0 with a single group."""
+        """Bytes allocated per byte vLLM plans for the KV cache (>= 1; kv_specs.kv_bytes_ratio)."""
         return kv_specs.kv_bytes_ratio(self.vllm_config, self.get_kv_cache_spec())
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
@@ -295,6 +295,9 @@ class MetalModelRunner:
                 extra.extend(range(offset, offset + m))  # after every row's last token
             offset += n
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
+        if self.multimodal is not None:  # the step's images: encoded, scattered, positioned (multimodal/step.py)
+            self.multimodal.encode(so, self.batch.requests)
+            self.multimodal.prepare(states, rows, inputs, self.mlx_model.embed_tokens)
         if self.state_index is not None:
             moved = self.state_index.plan([s.req_id for s in states], np.array([r.num_computed for r in rows]),
                                           np.diff(inputs.cu_seqlens_q), [inputs.block_tables[g] for g in self.align_groups])

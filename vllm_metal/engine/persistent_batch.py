@@ -37,6 +37,11 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     lora_request: object = None  # vLLM's LoRARequest: the adapter this request runs with (None: the base model)
     pooling: object = None  # a pooling model's request: its pooling.step.PoolingRow (params, prompt, states)
+    # Images (vLLM's MultiModalFeatureSpec per item, prompt order) and, for
+    # M-RoPE models, the prompt's 3-D positions and the offset of later tokens
+    # (multimodal/step.py fills them on first sight).
+    mm_features: list = field(default_factory=list)
+    mrope: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +119,7 @@ class PersistentBatch:
                 generator.manual_seed(params.seed)
             state = RequestState(new.req_id, list(new.prompt_token_ids or []), params, generator,
                                  [list(b) for b in new.block_ids], new.num_computed_tokens,
-                                 lora_request=new.lora_request)
+                                 lora_request=new.lora_request, mm_features=list(new.mm_features or []))
             if self.pooling is not None:
                 self.pooling.add_request(state, new)
             self.requests[new.req_id] = state

@@ -258,7 +258,9 @@ class MetalPlatform(Platform):
                              f"caching: leave --mamba-block-size unset (got {cache.mamba_block_size}, below "
                              f"max_model_len {model.max_model_len}).")
         if model is not None and model.is_multimodal_model and model.supports_multimodal_inputs:
-            cls._serve_text_model_only(model)
+            from vllm_metal.multimodal.serving import configure
+
+            configure(model, vllm_config.scheduler_config)  # images served, or the text model only
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
@@ -278,27 +280,6 @@ class MetalPlatform(Platform):
             logger.info("vllm-metal: async scheduling off with a KV connector (its loads and saves wait "
                         "for each step's evaluation, and a failed load must roll back before the next step)")
             vllm_config.scheduler_config.async_scheduling = False
-
-    @classmethod
-    def _serve_text_model_only(cls, model) -> None:
-        """A multimodal architecture (a Qwen3.5 checkpoint, say): the runner
-        feeds token ids to the text model only, so an image or video in a
-        prompt would be dropped and the answer silently wrong. With vLLM's
-        default (no --limit-mm-per-prompt) its text model is served and
-        vLLM's input processing refuses media in a prompt (their limit is 0:
-        --language-model-only, as the user could say); a user who asked for
-        media is refused at start."""
-        mm = model.multimodal_config
-        if mm is not None and not mm.limit_per_prompt:
-            mm.language_model_only = True
-            logger.warning("vllm-metal serves the text model of %s: it runs no vision or audio encoder, so prompts "
-                           "with images, video or audio are refused (--language-model-only says so explicitly)",
-                           model.architecture)
-            return
-        raise ValueError(f"vllm-metal serves only the text model of multimodal architectures "
-                         f"({model.architecture}): it runs no vision or audio encoder. Serve it text-only: "
-                         "--language-model-only (LLM(..., language_model_only=True)), or "
-                         "--limit-mm-per-prompt with 0 for every modality (or leave it unset).")
 
     @classmethod
     def _configure_parallel(cls, parallel) -> None:

@@ -35,6 +35,13 @@ class StepInputs:
     # [num_seqs], set by the runner (engine/state_align.py). None: one state
     # slot per request, its block table's first entry.
     state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+    # Images in the step (set by the runner's multimodal side, multimodal/step.py):
+    # the text model's input embeddings with image rows scattered in (lazy
+    # MLX [num_tokens, hidden]); M-RoPE positions int32 [3, num_tokens]; the
+    # image tokens attended both ways (models/attention_adapter.ImageSpans).
+    input_embeddings: object = None
+    mrope_positions: np.ndarray | None = None
+    image_spans: object = None
 
     @property
     def last_token_indices(self) -> np.ndarray:

@@ -37,6 +37,28 @@ class StepAttentionInputs:
     # RoPE (cos, sin) tables of this step by plan key (models/cpu_norm_rope.py),
     # computed by the first layer that needs one and shared by the others.
     rope_tables: dict = field(default_factory=dict)
+    # M-RoPE models with images in the step (multimodal/mrope.py): int32 [3,
+    # num_tokens], each token's temporal / height / width position; None: the
+    # positions above in all three streams.
+    mrope_positions: mx.array | None = None
+    # Images attended both ways (Gemma 3, vLLM's mm prefix LM): the image
+    # tokens' rows re-attended as sequences of their own that end at their
+    # image's last token, without the causal limit (MultimodalSpans).
+    image_spans: object = None
+
+
+@dataclass
+class ImageSpans:
+    """The query rows of a step that attend to their whole image: `rows`
+    int32 [m] (packed token indices), grouped into one sequence per image
+    span (cu_seqlens [spans + 1]) whose context ends at the span's last
+    token (seq_lens [spans]), reading its request's block table row
+    (`table_rows` [spans])."""
+
+    rows: mx.array
+    cu_seqlens: mx.array
+    seq_lens: mx.array
+    table_rows: mx.array
 
 
 @dataclass
@@ -95,6 +117,28 @@ class PagedKVCache:
                     copied = mx.array(a)  # a second handle: `copied[...] =` rebinds it alone
                     copied[dst] = a[src]
                     arrays[i] = copied
+
+
+def attend_image_spans(out: mx.array, q: mx.array, kc: mx.array, vc: mx.array, block_tables: mx.array,
+                       spans: ImageSpans, **kwargs) -> mx.array:
+    """The causal attention output `out` [tokens, heads, dim] with the rows
+    of image tokens replaced by attention to their whole image (and
+    everything before it): each span is a sequence of its own ending at the
+    image's last token, attended without the causal limit (`causal=False`:
+    every key below its end; with a sliding window, those less than the
+    window away on either side, as vLLM's prefix-LM ranges within a window)."""
+    both_ways = ops.paged_attention(q[spans.rows], kc, vc, block_tables[spans.table_rows], spans.seq_lens,
+                                    spans.cu_seqlens, causal=False, **kwargs)
+    out[spans.rows] = both_ways.astype(out.dtype)
+    return out
+
+
+def merged_rope_table(tables: list[mx.array], streams: mx.array) -> mx.array:
+    """M-RoPE: three (cos, sin) tables [tokens, half, 2], one per position
+    stream (temporal, height, width) -> one, each frequency from its stream
+    (`streams` int32 [half]: 0, 1 or 2)."""
+    s = streams.reshape(1, -1, 1)
+    return mx.where(s == 0, tables[0], mx.where(s == 1, tables[1], tables[2]))
 
 
 class LayerCacheView:
@@ -209,6 +253,10 @@ class PagedAttentionLayer(nn.Module):
         self.uses_rope = rope is not None
         self.rope_dims = self.head_dim
         self.rope_plan = None  # set by models/cpu_norm_rope.py on MLX's CPU device
+        # M-RoPE (multimodal/loader.py sets both): the module's rotation as a
+        # table plan, and int32 [rotated / 2]: the position stream of each frequency.
+        self.mrope_plan = None
+        self.mrope_streams = None
         # q/k norms: per head (qwen3, gemma3) or over the whole projection
         # before the heads are split (olmo2, olmoe): told apart by the norm's size.
         norm = getattr(inner, names["q_norm"]) if names["q_norm"] else None
@@ -234,6 +282,14 @@ class PagedAttentionLayer(nn.Module):
 
     def apply_rope(self, q: mx.array, k: mx.array, step: StepAttentionInputs) -> tuple[mx.array, mx.array]:
         """q [tokens, heads, dim] and k rotated, each token at its own position."""
+        if step.mrope_positions is not None and self.mrope_plan is not None:
+            plan = self.mrope_plan
+            key = ("mrope", plan.key)
+            table = step.rope_tables.get(key)
+            if table is None:
+                table = step.rope_tables[key] = merged_rope_table(
+                    [plan.table(self.inner.rope, step.mrope_positions[i]) for i in range(3)], self.mrope_streams)
+            return ops.rope(q, table, traditional=plan.traditional), ops.rope(k, table, traditional=plan.traditional)
         plan = self.rope_plan
         if plan is not None:  # MLX's CPU device: one table per step, the RoPE primitive
             table = step.rope_tables.get(plan.key)
@@ -276,10 +332,14 @@ class PagedAttentionLayer(nn.Module):
         layer, group = cache.layer, store.layer_group[cache.layer]
         kc, vc = store.write(layer, k, v, step.slot_mappings[group])
         q, cache_args = store.query(q)
+        sinks = a.sinks.astype(mx.float32) if self.has_sinks else None
         out = ops.paged_attention(q, kc, vc, step.block_tables[group], step.seq_lens,
                                   step.cu_seqlens_q, scale=self.scale, sliding_window=self.sliding_window,
-                                  softcap=self.softcap,
-                                  sinks=a.sinks.astype(mx.float32) if self.has_sinks else None, **cache_args)
+                                  softcap=self.softcap, sinks=sinks, **cache_args)
+        if step.image_spans is not None:
+            out = attend_image_spans(out, q, kc, vc, step.block_tables[group], step.image_spans, scale=self.scale,
+                                     sliding_window=self.sliding_window, softcap=self.softcap, sinks=sinks,
+                                     **cache_args)
         out = getattr(a, names["o_proj"])(out.reshape(1, n, -1).astype(x.dtype))
         if store.after_layer is not None:
             store.after_layer(out, kc, vc)

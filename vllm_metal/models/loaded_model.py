@@ -146,7 +146,8 @@ class LoadedModel:
         kv.retained = []
         kv.step = self._step_inputs(inputs)
         try:
-            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views())
+            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views(),
+                                        getattr(inputs, "input_embeddings", None))
             if not self.last_stage:
                 return None
             return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
@@ -188,11 +189,24 @@ class LoadedModel:
             block_tables=[mx.array(t) for t in inputs.block_tables],
             slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
             linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None))
-            if self.has_linear else None)
+            if self.has_linear else None,
+            mrope_positions=None if getattr(inputs, "mrope_positions", None) is None
+            else mx.array(inputs.mrope_positions),
+            image_spans=getattr(inputs, "image_spans", None))
 
-    def hidden_states(self, token_ids: mx.array, cache_views) -> mx.array:
-        """[num_tokens] -> [num_tokens, hidden] through every layer (lazy)."""
-        return self.model.model(token_ids[None], cache=cache_views)[0]
+    def embed_tokens(self, token_ids: mx.array) -> mx.array:
+        """The decoder's own input embedding of `token_ids` (before any scale
+        the decoder applies to its input embeddings)."""
+        return decoder_owner(self.model)["model"].embed_tokens(token_ids)
+
+    def hidden_states(self, token_ids: mx.array, cache_views, input_embeddings: mx.array | None = None) -> mx.array:
+        """[num_tokens] -> [num_tokens, hidden] through every layer (lazy);
+        input_embeddings [num_tokens, hidden] (images scattered in) replace the
+        token embeddings."""
+        decoder = decoder_owner(self.model)["model"]
+        if input_embeddings is None:
+            return decoder(token_ids[None], cache=cache_views)[0]
+        return decoder(token_ids[None], cache=cache_views, input_embeddings=input_embeddings[None])[0]
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final hidden rows -> float32 logits [rows, vocab] (lazy), through

@@ -76,8 +76,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     converted = None if checkpoint.native else checkpoint.load_weights()
     try:
         if checkpoint.native:
+            fixes = text_config_fixes(checkpoint.config)
             model, config = mlx_lm_load_model(checkpoint.source, lazy=not materialize or parallel is not None,
-                                              model_config=checkpoint.config if config_path else None, **classes)
+                                              model_config={**(checkpoint.config if config_path else {}), **fixes}
+                                              or None, **classes)
         else:
             model, config = build_model(checkpoint, weights=converted, **classes)
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
@@ -97,12 +99,14 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
 
         tp_done = shard_model(model, config, parallel.tp_rank, parallel.tp, parallel.reduce)
 
-    inner = getattr(model, "model", None)
+    try:  # the decoder: the model's `model`, or its text model's (multimodal wrappers: language_model)
+        inner = decoder_owner(model)["model"]
+    except NotImplementedError:
+        inner = None
     layers = getattr(model, "layers", None) or getattr(inner, "layers", None)
     if inner is None or layers is None or not hasattr(inner, "embed_tokens"):
         raise NotImplementedError(f"model type {config.get('model_type')!r}: expected an mlx-lm "
                                   "decoder with .model.embed_tokens and .layers")
-    decoder_owner(model)  # the output head's call can reach the decoder
     windows, layer_kv = [], []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
@@ -152,6 +156,35 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
                        fused=fused, norm_rope=norm_rope_done, owned=owned if staged else None, last_stage=last,
                        transport=parallel.transport if staged else None, tp_projections=tp_done,
                        weights_bytes=sum(v.nbytes for _, v in tree_flatten(resident)), head_weights=head_weights)
+
+
+def text_config_fixes(config: dict) -> dict:
+    """Config fields a multimodal checkpoint saved by transformers 5 keeps
+    where mlx-lm does not read them (its text model's args come from
+    `text_config` alone, with their own defaults): the top-level
+    `tie_word_embeddings` and `vocab_size`, and RoPE bases inside
+    `rope_parameters` (per layer kind for Gemma 3). {} when nothing moves."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return {}
+    fixed = dict(text)
+    for key in ("tie_word_embeddings",):
+        if key not in fixed and key in config:
+            fixed[key] = config[key]
+    rope = fixed.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:  # gemma3: one set per layer kind
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        fixed.setdefault("rope_theta", full.get("rope_theta", 1e6))
+        if "rope_theta" in local:
+            fixed.setdefault("rope_local_base_freq", local["rope_theta"])
+        if full.get("rope_type", "default") != "default" and not fixed.get("rope_scaling"):
+            fixed["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    elif "rope_theta" in rope:
+        fixed.setdefault("rope_theta", rope["rope_theta"])
+    out = {"text_config": fixed} if fixed != text else {}
+    if "vocab_size" not in config and "vocab_size" in text:  # mlx-lm's gemma3 reads it at the top
+        out["vocab_size"] = text["vocab_size"]
+    return out
 
 
 def _pooling_classes(head_weights: dict) -> dict:
@@ -235,7 +268,8 @@ def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.M
     for name in ("is_sliding", "use_sliding_window", "is_local"):  # gemma3, cohere2, exaone4
         if sliding is None:
             sliding = getattr(attn, name, None)
-    args = getattr(model, "args", None)
+    # the text model's parsed args (a multimodal wrapper's own args hold only its text_config)
+    args = getattr(decoder_owner(model), "args", None) or getattr(model, "args", None)
     # olmo3: only the model's parsed layer_types say it; gpt_oss: only its
     # decoder's (a default pattern when the config has none).
     layer_types = getattr(args, "layer_types", None) or getattr(getattr(model, "model", None), "layer_types", None)
@@ -243,7 +277,8 @@ def sliding_window_of(model: nn.Module, index: int, layer: nn.Module, attn: nn.M
         sliding = layer_types[index] == "sliding_attention"
     if not sliding:
         return None
-    window = getattr(args, "sliding_window", None) or config.get("sliding_window")
+    window = getattr(args, "sliding_window", None) or config.get("sliding_window") \
+        or (config.get("text_config") or {}).get("sliding_window")
     if not window:
         raise NotImplementedError(f"model type {config.get('model_type')!r}: a sliding layer without a window size")
     return int(window)

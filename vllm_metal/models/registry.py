@@ -61,6 +61,10 @@ SERVED: dict[str, Family] = {
                      "head), query_pre_attn_scalar"),
     "gemma3_text": Family("sliding windows declared on the attention module (is_sliding), per-layer RoPE bases, "
                           "q/k norms", sliding=True),
+    "gemma3": Family("gemma3_text's layers under `language_model`, the config under `text_config` (Gemma 3's "
+                     "vision-language checkpoints; images: multimodal/)", sliding=True),
+    "qwen2_5_vl": Family("qwen2's layers under `language_model` (mlx-lm's qwen2_vl), M-RoPE that equals plain "
+                         "RoPE on text (images: multimodal/, with their 3-D positions)"),
     "gemma4_text": Family("head sizes per layer kind (sliding 16, full 32: caches of different page sizes), keys "
                           "as values on full layers, V norms, later layers reading earlier layers' caches (KV "
                           "sharing), per-layer input embeddings, partial (proportional) RoPE on full layers, "

@@ -1,0 +1,115 @@
+"""What the vision towers share: packed bidirectional attention over
+segments (images, or windows of one), 2-D rotary tables, the tower's
+tensors read out of a checkpoint's safetensors.
+
+Every tower runs on a step's images packed as one sequence of patches
+([patches, hidden]); attention never crosses a segment boundary. Segments of
+equal length are attended in one batched call (a Qwen-VL image's windows are
+mostly the same size), so a 1024x1024 image is a handful of calls per layer,
+not one per window.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_metal.native import ops
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def segment_attention(q: mx.array, k: mx.array, v: mx.array, cu: np.ndarray, scale: float) -> mx.array:
+    """q, k, v [tokens, heads, dim]; every token attends to every token of
+    its segment cu[i] .. cu[i + 1] - 1 (and nothing else). Lazy [tokens,
+    heads, dim]."""
+    cu = np.asarray(cu, np.int64)
+    lengths = np.diff(cu)
+    if (lengths <= 0).any() or cu[0] != 0 or cu[-1] != q.shape[0]:
+        raise ValueError(f"segments {cu.tolist()} do not partition {q.shape[0]} tokens")
+    parts, order = [], []
+    for length in np.unique(lengths):
+        starts = cu[:-1][lengths == length]
+        index = (starts[:, None] + np.arange(length)[None, :]).reshape(-1)
+        order.append(index)
+        idx = mx.array(index.astype(np.int32))
+        n = len(starts)
+
+        def batch(x):  # [n * L, H, D] -> [n, H, L, D]
+            return x[idx].reshape(n, int(length), x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
+
+        out = mx.fast.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
+        parts.append(out.transpose(0, 2, 1, 3).reshape(n * int(length), q.shape[1], -1))
+    if len(parts) == 1 and np.array_equal(order[0], np.arange(q.shape[0])):
+        return parts[0]
+    inverse = np.argsort(np.concatenate(order)).astype(np.int32)
+    return mx.concatenate(parts)[mx.array(inverse)]
+
+
+def rotary_table(angles: np.ndarray) -> mx.array:
+    """float32 [tokens, half] angles -> the (cos, sin) table ops.rope takes
+    ([tokens, half, 2]), rotating pairs (i, i + half) ("rotate half")."""
+    a = np.asarray(angles, np.float64)
+    return mx.array(np.stack([np.cos(a), np.sin(a)], axis=-1).astype(np.float32))
+
+
+def rotate(x: mx.array, table: mx.array) -> mx.array:
+    """x [tokens, heads, dim] rotated by `table` (rotary_table), in float32."""
+    return ops.rope(x.astype(mx.float32), table, traditional=False)
+
+
+def linear(x: mx.array, w: mx.array, b: mx.array | None = None) -> mx.array:
+    """x @ w.T (+ b): a checkpoint's nn.Linear ([out, in] weight)."""
+    y = x @ w.T
+    return y + b if b is not None else y
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float, offset: float = 0.0) -> mx.array:
+    """RMSNorm in float32, times (offset + w) (Gemma's norms store w - 1)."""
+    x32 = x.astype(mx.float32)
+    y = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (offset + w.astype(mx.float32))).astype(x.dtype)
+
+
+def layer_norm(x: mx.array, w: mx.array, b: mx.array, eps: float) -> mx.array:
+    return ops.layer_norm(x, w.astype(x.dtype), b.astype(x.dtype), eps)
+
+
+def gelu(x: mx.array, approximate: bool) -> mx.array:
+    return ops.gelu(x, approximate=approximate)
+
+
+def read_tensors(model_dir: str | Path, prefixes: tuple[str, ...], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Every tensor of the checkpoint whose name starts with one of
+    `prefixes` (tried in order, first that matches any tensor wins), with
+    that prefix removed, cast to `dtype`. Both layouts transformers writes
+    are read: `visual.` / `vision_tower.` at the top (checkpoints saved before
+    transformers 5) and under `model.` (transformers 5)."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no safetensors files hold the vision tower's weights")
+    found: dict[str, mx.array] = {}
+    for prefix in prefixes:
+        for f in files:
+            for name, value in mx.load(str(f)).items():
+                if name.startswith(prefix):
+                    found[name[len(prefix):]] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) \
+                        else value
+        if found:
+            return found
+    raise KeyError(f"{model_dir}: no tensor named {' or '.join(p + '*' for p in prefixes)} (the vision tower)")
+
+
+def take(weights: dict[str, mx.array], name: str, shape: tuple[int, ...] | None = None) -> mx.array:
+    """weights[name], refused by name when missing or of another shape."""
+    w = weights.get(name)
+    if w is None:
+        raise KeyError(f"the vision tower's tensor {name!r} is missing from the checkpoint")
+    if shape is not None and tuple(w.shape) != tuple(shape):
+        raise ValueError(f"the vision tower's tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+    return w
