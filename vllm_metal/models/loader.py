@@ -162,8 +162,10 @@ def text_config_fixes(config: dict) -> dict:
     """Config fields a multimodal checkpoint saved by transformers 5 keeps
     where mlx-lm does not read them (its text model's args come from
     `text_config` alone, with their own defaults): the top-level
-    `tie_word_embeddings` and `vocab_size`, and RoPE bases inside
-    `rope_parameters` (per layer kind for Gemma 3). {} when nothing moves."""
+    `tie_word_embeddings` and `vocab_size`, RoPE bases inside
+    `rope_parameters` (per layer kind for Gemma 3), Qwen3.5's
+    `full_attention_interval` (transformers 5 writes only `layer_types`).
+    {} when nothing moves."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return {}
@@ -171,6 +173,13 @@ def text_config_fixes(config: dict) -> dict:
     for key in ("tie_word_embeddings",):
         if key not in fixed and key in config:
             fixed[key] = config[key]
+    kinds = fixed.get("layer_types") or []
+    if "full_attention_interval" not in fixed and "linear_attention" in kinds:  # qwen3_5: mlx-lm reads the interval
+        fixed["full_attention_interval"] = next(
+            (k for k in range(1, len(kinds) + 1)
+             if all((kind == "full_attention") == ((i + 1) % k == 0) for i, kind in enumerate(kinds))), 0) or None
+        if fixed["full_attention_interval"] is None:
+            del fixed["full_attention_interval"]
     rope = fixed.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:  # gemma3: one set per layer kind
         full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}

@@ -27,6 +27,7 @@ class VisionFamily:
     notes: str
     architectures: tuple[str, ...]
     prefixes: tuple[str, ...]  # the tower's tensor prefixes (old layout first, then transformers 5's)
+    tower: tuple[str, ...] = ("visual.", "model.visual.")  # names that say the checkpoint holds its tower
     mrope: bool = False  # M-RoPE positions (Qwen-VL)
     prefix_lm: bool = False  # image tokens attend to their whole image (Gemma 3)
 
@@ -36,11 +37,26 @@ VISION: dict[str, VisionFamily] = {
         "windowed ViT (2-D RoPE, RMSNorm, SwiGLU; full-attention blocks), 2x2 patch merger, dynamic resolution; "
         "M-RoPE sections (t, h, w) in the text model", ("Qwen2_5_VLForConditionalGeneration",),
         ("visual.", "model.visual."), mrope=True),
+    "qwen3_5": VisionFamily(
+        "ViT with learned positions interpolated to the image's grid, 2-D RoPE, LayerNorm, GELU MLP (no windows, no "
+        "deepstack), 2x2 patch merger; interleaved M-RoPE in the hybrid text model",
+        ("Qwen3_5ForConditionalGeneration",), ("visual.", "model.visual."), mrope=True),
     "gemma3": VisionFamily(
         "SigLIP (learned positions, LayerNorm, tanh-GELU), average-pooled to mm_tokens_per_image, RMSNorm (1 + w) "
         "projector; image tokens attended both ways; scaled text embeddings", ("Gemma3ForConditionalGeneration",),
-        ("", "model."), prefix_lm=True),
+        ("", "model."), tower=("vision_tower.", "model.vision_tower."), prefix_lm=True),
 }
+
+
+def has_tower(model_dir, family: VisionFamily) -> bool:
+    """Whether the checkpoint holds its vision tower's tensors (a checkpoint
+    converted for text only may declare the multimodal architecture without
+    them: its text model is what can be served)."""
+    try:
+        names = vit.tensor_names(model_dir)
+    except (OSError, ValueError):
+        return False
+    return any(n.startswith(family.tower) for n in names)
 
 
 def vision_family(config: dict) -> VisionFamily | None:
@@ -151,9 +167,11 @@ def load_vision(model_dir: str | Path, config: dict, dtype: mx.Dtype) -> VisionM
         scale = float(np.array(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32)))
         return VisionModel(model_type, config, tower, dtype, embed_scale=scale)
     from vllm_metal.multimodal.qwen2_5_vl import Qwen25VisionTower
+    from vllm_metal.multimodal.qwen3_vl import Qwen3VisionTower
 
     weights = vit.read_tensors(model_dir, family.prefixes, dtype)
-    return VisionModel(model_type, config, Qwen25VisionTower(config, weights, dtype), dtype)
+    tower = (Qwen3VisionTower if model_type == "qwen3_5" else Qwen25VisionTower)(config, weights, dtype)
+    return VisionModel(model_type, config, tower, dtype)
 
 
 def _both(model_dir, prefixes, dtype) -> dict:

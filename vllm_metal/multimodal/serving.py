@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from vllm.logger import init_logger
 
-from vllm_metal.multimodal.registry import VISION, load_vision, pixel_norm, vision_family
+from vllm_metal.multimodal.registry import VISION, has_tower, load_vision, pixel_norm, vision_family
 from vllm_metal.multimodal.step import MultimodalStep
 
 logger = init_logger("vllm." + __name__)
@@ -35,6 +35,8 @@ def configure(model, scheduler) -> bool:
     mm = model.multimodal_config
     asked = dict(mm.limit_per_prompt or {}) if mm is not None else {}
     family = vision_family({"model_type": getattr(model.hf_config, "model_type", None)})
+    if family is not None and not has_tower(model.model, family):
+        family = None  # converted for text only: the multimodal architecture without its tower
     if family is not None and mm is not None and not mm.language_model_only and mm.get_limit_per_prompt("image"):
         check_limits(model.hf_config.model_type, asked)
         # vLLM's own validator turns counts into its option objects

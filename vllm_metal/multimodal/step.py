@@ -61,7 +61,6 @@ class MultimodalStep:
         change nothing (a step without images keeps the text path)."""
         index, parts, spans = [], [], []
         offset = 0
-        any_images = False
         for row, (state, r) in enumerate(zip(states, rows)):
             start, n = r.num_computed, len(r.token_ids)
             for f in state.mm_features:
@@ -69,7 +68,6 @@ class MultimodalStep:
                 lo, hi = max(start - pos.offset, 0), min(start + n - pos.offset, pos.length)
                 if f.modality != "image" or lo >= hi:
                     continue
-                any_images = True
                 out = self.cache.get(f.identifier)
                 if out is None:
                     raise RuntimeError(f"request {state.req_id}: image {f.identifier} is not in the encoder cache")
@@ -91,7 +89,9 @@ class MultimodalStep:
             inputs.input_embeddings = embeddings
         if spans:
             inputs.image_spans = _spans(spans)
-        if self.vision.mrope is not None and (any_images or any(s.mrope is not None for s in states)):
+        # every token of a request with images sits at its M-RoPE position (past
+        # an image: index + delta), whether or not this step holds image tokens
+        if self.vision.mrope is not None and any(s.mm_features for s in states):
             inputs.mrope_positions = self._mrope_positions(states, rows)
 
     def _mrope_positions(self, states, rows) -> np.ndarray:

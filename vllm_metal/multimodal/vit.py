@@ -80,6 +80,22 @@ def gelu(x: mx.array, approximate: bool) -> mx.array:
     return ops.gelu(x, approximate=approximate)
 
 
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """Every tensor name in the checkpoint's safetensors files (headers
+    only: nothing is loaded); empty for a directory without them (a GGUF)."""
+    names: set[str] = set()
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return names
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if size <= 0 or size > 1 << 28:
+                raise ValueError(f"{f}: not a safetensors file (header size {size})")
+            names.update(k for k in json.loads(fh.read(size)) if k != "__metadata__")
+    return names
+
+
 def read_tensors(model_dir: str | Path, prefixes: tuple[str, ...], dtype: mx.Dtype) -> dict[str, mx.array]:
     """Every tensor of the checkpoint whose name starts with one of
     `prefixes` (tried in order, first that matches any tensor wins), with
