@@ -34,6 +34,17 @@ def test_embeddings_refused_by_a_generation_model(client):
     assert ask(client, "Hi", temperature=0, max_tokens=2).usage.completion_tokens > 0
 
 
+def test_an_image_to_a_text_model_is_refused(client):
+    """A chat message with an image part to a text-only model: 400 from
+    vLLM's input processing, and the server keeps answering."""
+    png = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJ"
+           "RU5ErkJggg==")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=SERVED_NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "What is this?"}]}])
+    assert ask(client, "Hi", temperature=0, max_tokens=2).usage.completion_tokens > 0
+
+
 def test_chat_answers_paris(client):
     reply = ask(client, "What is the capital of France?", temperature=0, max_tokens=24)
     assert "Paris" in reply.choices[0].message.content

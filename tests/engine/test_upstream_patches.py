@@ -134,3 +134,42 @@ def test_gguf_patch_routes_a_gguf_model_to_its_parser(tmp_path, monkeypatch):
     assert config.tokenizer.startswith(str(tmp_path / "gguf-tokenizers"))
     with pytest.raises(ValueError, match="no tokenizer files"):  # a --tokenizer without a tokenizer
         EngineArgs(model=str(gguf_path()), tokenizer=str(tmp_path)).create_model_config()
+
+
+def _connection_error():
+    import aiohttp
+
+    from types import SimpleNamespace
+
+    key = SimpleNamespace(host="example.invalid", port=80, ssl=True)
+    return aiohttp.ClientConnectorError(connection_key=key, os_error=OSError(-2, "Name or service not known"))
+
+
+def test_media_patch_targets_the_pinned_vllm_and_its_500():
+    # Fails when vLLM answers an unreachable media URL as a client error itself:
+    # the patch can go then.
+    from vllm.multimodal.media import connector
+
+    assert upstream_patches.MEDIA_UPSTREAM.startswith(f"vllm=={versions.VLLM}:")
+    original = getattr(connector._wrap_media_fetch_error, "__wrapped__", connector._wrap_media_fetch_error)
+    exc = _connection_error()
+    assert original("http://example.invalid/a.png", exc) is exc  # left as is: HTTP 500
+    assert "_wrap_media_fetch_error(url, e)" in inspect.getsource(connector.MediaConnector.load_from_url_async)
+
+
+def test_media_patch_maps_network_errors_to_422(monkeypatch):
+    import aiohttp
+    from vllm.exceptions import VLLMUnprocessableEntityError
+    from vllm.multimodal.media import connector
+
+    original = getattr(connector._wrap_media_fetch_error, "__wrapped__", connector._wrap_media_fetch_error)
+    monkeypatch.setattr(connector, "_wrap_media_fetch_error", original)
+    assert upstream_patches.patch_media_fetch_status() and not upstream_patches.patch_media_fetch_status()
+    wrapped = connector._wrap_media_fetch_error("http://example.invalid/a.png", _connection_error())
+    assert isinstance(wrapped, VLLMUnprocessableEntityError)
+    assert "http://example.invalid/a.png" in str(wrapped.value) and "data: URL" in str(wrapped)
+    # what vLLM already answers stays its answer: a 404 is 422, a 503 stays 503
+    not_found = aiohttp.ClientResponseError(None, (), status=404)
+    assert isinstance(connector._wrap_media_fetch_error("u", not_found), VLLMUnprocessableEntityError)
+    unavailable = aiohttp.ClientResponseError(None, (), status=503)
+    assert connector._wrap_media_fetch_error("u", unavailable) is unavailable

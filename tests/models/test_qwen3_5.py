@@ -64,10 +64,11 @@ def test_multimodal_architecture_serves_its_text_model_unless_media_are_asked_fo
     common = dict(model=multimodal_dir, dtype="float32", max_model_len=512)
     with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration.*--language-model-only"):
         EngineArgs(**common, limit_mm_per_prompt={"image": 2}).create_engine_config()  # media asked for
-    with pytest.raises(ValueError, match="runs no vision or audio encoder"):  # one modality still open
-        EngineArgs(**common, limit_mm_per_prompt={"image": 0}).create_engine_config()
-    # vLLM's defaults (no choice made): the text model, media refused per request.
-    for text_only in (dict(), dict(language_model_only=True), dict(limit_mm_per_prompt={"image": 0, "video": 0})):
+    with pytest.raises(ValueError, match="runs no vision or audio encoder"):  # a video asked for
+        EngineArgs(**common, limit_mm_per_prompt={"image": 0, "video": 1}).create_engine_config()
+    # vLLM's defaults (no choice made) or no media asked for: the text model, media refused per request.
+    for text_only in (dict(), dict(language_model_only=True), dict(limit_mm_per_prompt={"image": 0, "video": 0}),
+                      dict(limit_mm_per_prompt={"image": 0})):
         config = EngineArgs(**common, **text_only).create_engine_config().model_config
         assert config.is_hybrid and not config.supports_multimodal_inputs
 

@@ -197,6 +197,25 @@ def resident_bytes(model) -> dict:
     return {"metal_float16": metal, "cpu_float32": cpu}
 
 
+def vision_path(model_dir, config: dict) -> str:
+    """What a multimodal checkpoint's images get, in words (multimodal/registry.py)."""
+    from vllm_metal.multimodal.registry import VISION, has_tower, vision_family
+
+    family = vision_family(config)
+    if family is None:
+        return (f"a multimodal checkpoint: its text model is served, prompts with media are refused (images are "
+                f"served for {', '.join(sorted(VISION))})")
+    if not has_tower(model_dir, family):
+        return ("a multimodal checkpoint without its vision tower's weights: its text model is served, prompts "
+                "with media are refused")
+    from vllm_metal.multimodal import vit
+
+    names = [n for n in vit.tensor_names(model_dir) if n.startswith(family.tower + ("multi_modal_projector.",
+                                                                                       "model.multi_modal_projector."))]
+    return (f"images served ({family.notes}; {len(names)} vision tensors); video and audio refused "
+            "(--limit-mm-per-prompt image only)")
+
+
 def model_check(model_dir: str) -> dict:
     """Whether `vllm serve MODEL` would be served (a model directory, a GGUF
     file, an AWQ / GPTQ directory), decided by the same load-time checks
@@ -246,7 +265,7 @@ def model_check(model_dir: str) -> dict:
     notes = []
     if "vision_config" in config or any(a.endswith("ForConditionalGeneration")
                                         for a in config.get("architectures") or []):
-        notes.append("a multimodal checkpoint: its text model is served, prompts with media are refused")
+        notes.append(vision_path(model_dir, config))
     # `flags`: what a user must pass for this model to be served; vLLM's
     # defaults serve every family now (hybrids with prefix caching, the text
     # model of multimodal checkpoints), so none today.

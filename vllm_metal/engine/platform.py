@@ -202,10 +202,12 @@ class MetalPlatform(Platform):
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
         """Runs before vLLM builds a config (and its CLI parser): GGUF
-        checkpoints get their config parser and tokenizer (upstream_patches)."""
-        from vllm_metal.engine.upstream_patches import patch_gguf_model_args
+        checkpoints get their config parser and tokenizer, unreachable media
+        URLs a 4xx (upstream_patches)."""
+        from vllm_metal.engine.upstream_patches import patch_gguf_model_args, patch_media_fetch_status
 
         patch_gguf_model_args()
+        patch_media_fetch_status()  # an unreachable image URL: HTTP 422 naming it, not 500
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:

@@ -1,4 +1,4 @@
-"""The one place vllm-metal changes upstream behaviour at run time: three patches.
+"""The one place vllm-metal changes upstream behaviour at run time: four patches.
 
 1. Targets vLLM 0.33.0 (and torch 2.14): `vllm.distributed.parallel_state.
 cleanup_dist_env_and_memory`, run when the engine core shuts down, calls
@@ -22,6 +22,13 @@ GGUF model (a file, or a directory holding one and no config.json) is parsed
 by vllm-metal's registered config parser (config_format "gguf", a public vLLM
 extension point: formats/gguf_vllm.py) and, without --tokenizer, tokenized by
 the GGUF's own vocabulary converted once to a tokenizer directory.
+
+4. An image URL the server cannot reach (no route, DNS failure, connection
+refused, timeout) is answered 500 by vLLM 0.33 (`vllm.multimodal.media.
+connector._wrap_media_fetch_error` keeps network errors "transient"). The
+URL is the client's input, and a Mac serving offline never reaches it: 422,
+naming the URL and the alternatives (a data: URL, or a file: URL under
+--allowed-local-media-path) (patch_media_fetch_status).
 
 tests/engine/test_upstream_patches.py fails when vLLM's code stops doing what
 each patch answers, so the patches are re-examined on upgrades.
@@ -121,4 +128,36 @@ def patch_gguf_model_args() -> bool:
     create_model_config._vllm_metal_patched = True
     create_model_config.__wrapped__ = original
     EngineArgs.create_model_config = create_model_config
+    return True
+
+
+MEDIA_UPSTREAM = "vllm==0.33.0: vllm.multimodal.media.connector._wrap_media_fetch_error (network errors stay 500)"
+
+
+def patch_media_fetch_status() -> bool:
+    """Network errors fetching a media URL become VLLMUnprocessableEntityError
+    (HTTP 422). Returns whether it patched now (False: already patched)."""
+    import asyncio
+
+    import aiohttp
+
+    from vllm.exceptions import VLLMUnprocessableEntityError
+    from vllm.multimodal.media import connector
+
+    original = connector._wrap_media_fetch_error
+    if getattr(original, "_vllm_metal_patched", False):
+        return False
+
+    def wrap(url, exc):
+        wrapped = original(url, exc)
+        if wrapped is exc and isinstance(exc, (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)):
+            return VLLMUnprocessableEntityError(
+                f"Failed to fetch media from URL: the server cannot reach it ({type(exc).__name__}: {exc}); send "
+                "the image inline as a data: URL, or as a file: URL under --allowed-local-media-path",
+                parameter="image_url", value=url)
+        return wrapped
+
+    wrap._vllm_metal_patched = True
+    wrap.__wrapped__ = original
+    connector._wrap_media_fetch_error = wrap
     return True

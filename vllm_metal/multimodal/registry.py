@@ -28,22 +28,21 @@ class VisionFamily:
     architectures: tuple[str, ...]
     prefixes: tuple[str, ...]  # the tower's tensor prefixes (old layout first, then transformers 5's)
     tower: tuple[str, ...] = ("visual.", "model.visual.")  # names that say the checkpoint holds its tower
-    mrope: bool = False  # M-RoPE positions (Qwen-VL)
+    mrope: str = ""  # M-RoPE positions (Qwen-VL): "sections" or "interleaved" (its checkpoints' layout)
     prefix_lm: bool = False  # image tokens attend to their whole image (Gemma 3)
 
 
 VISION: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(
-        "windowed ViT (2-D RoPE, RMSNorm, SwiGLU; full-attention blocks), 2x2 patch merger, dynamic resolution; "
-        "M-RoPE sections (t, h, w) in the text model", ("Qwen2_5_VLForConditionalGeneration",),
-        ("visual.", "model.visual."), mrope=True),
+        "windowed ViT (2-D RoPE, RMSNorm, SwiGLU; full-attention blocks), 2x2 patch merger, dynamic resolution",
+        ("Qwen2_5_VLForConditionalGeneration",), ("visual.", "model.visual."), mrope="sections"),
     "qwen3_5": VisionFamily(
         "ViT with learned positions interpolated to the image's grid, 2-D RoPE, LayerNorm, GELU MLP (no windows, no "
-        "deepstack), 2x2 patch merger; interleaved M-RoPE in the hybrid text model",
-        ("Qwen3_5ForConditionalGeneration",), ("visual.", "model.visual."), mrope=True),
+        "deepstack), 2x2 patch merger, dynamic resolution; the hybrid (Gated DeltaNet) text model",
+        ("Qwen3_5ForConditionalGeneration",), ("visual.", "model.visual."), mrope="interleaved"),
     "gemma3": VisionFamily(
-        "SigLIP (learned positions, LayerNorm, tanh-GELU), average-pooled to mm_tokens_per_image, RMSNorm (1 + w) "
-        "projector; image tokens attended both ways; scaled text embeddings", ("Gemma3ForConditionalGeneration",),
+        "SigLIP (learned positions, LayerNorm, tanh-GELU) at a fixed size, average-pooled to mm_tokens_per_image "
+        "tokens, RMSNorm (1 + w) projector", ("Gemma3ForConditionalGeneration",),
         ("", "model."), tower=("vision_tower.", "model.vision_tower."), prefix_lm=True),
 }
 
@@ -187,3 +186,20 @@ def _both(model_dir, prefixes, dtype) -> dict:
         return {**{"vision_tower." + k: v for k, v in tower.items()},
                 **{"multi_modal_projector." + k: v for k, v in projector.items()}}
     raise KeyError(f"{model_dir}: no vision_tower.* / multi_modal_projector.* tensors (Gemma 3's vision side)")
+
+
+def markdown_table() -> str:
+    """docs/models.md's vision-language table (regenerate: python -m vllm_metal.multimodal.registry)."""
+    lines = ["| model_type | architectures | images | text positions / attention | vision tower |",
+             "|---|---|---|---|---|"]
+    for name in sorted(VISION):
+        f = VISION[name]
+        positions = (f"M-RoPE (t, h, w), {f.mrope}" if f.mrope
+                     else "1-D; image tokens attend to their whole image" if f.prefix_lm else "1-D")
+        lines.append(f"| `{name}` | {', '.join(f'`{a}`' for a in f.architectures)} | served; video, audio "
+                     f"refused | {positions} | {f.notes} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
