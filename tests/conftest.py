@@ -37,6 +37,8 @@ LONG_FILES = (
     "tests/engine/test_prompt_logprobs.py",
     "tests/pooling/test_pooling_families.py",
     "tests/reliability/test_option_fuzz.py",
+    "tests/multimodal/test_images.py",
+    "tests/multimodal/test_serve_images.py",
 )
 
 

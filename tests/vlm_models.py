@@ -391,3 +391,51 @@ def placeholder_count(model_dir, input_ids) -> int:
     """How many image-embedding positions `input_ids` holds."""
     ids = np.asarray(input_ids).reshape(-1)
     return int((ids == image_token_id(model_dir)).sum())
+
+
+# ---- the published checkpoints' layout ----------------------------------------
+
+def published_layout(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint built here (transformers 5 names) in the layout
+    the published checkpoints have (saved by transformers 4.4x), which loaders
+    outside transformers read: Qwen2.5-VL's text fields at the top of
+    config.json (rope_theta, rope_scaling {"type": "mrope"}) and tensors
+    `visual.*`, `model.layers.*`; Gemma 3's SigLIP under
+    `vision_tower.vision_model.*` and its text RoPE as rope_theta /
+    rope_local_base_freq. The weights are the same tensors."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    if config["model_type"] == "qwen2_5_vl":
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        flat = {k: v for k, v in text.items() if k not in ("model_type", "layer_types", "dtype")}
+        flat.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+        vision = {k: v for k, v in config.pop("vision_config").items() if k not in ("rope_parameters", "model_type")}
+        config = {**config, **flat, "vision_config": vision, "torch_dtype": config.pop("dtype", "float32")}
+
+        def rename(k: str) -> str:
+            if k.startswith("model.visual."):
+                return k[len("model."):]
+            return "model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k
+    else:  # gemma3
+        text = config["text_config"]
+        rope = text.pop("rope_parameters")
+        text.update(rope_theta=rope["full_attention"]["rope_theta"],
+                    rope_local_base_freq=rope["sliding_attention"]["rope_theta"], rope_scaling=None)
+
+        def rename(k: str) -> str:
+            if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model."):
+                return "vision_tower.vision_model." + k[len("vision_tower."):]
+            return k
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.glob("*.safetensors"):
+        save_file({rename(k): v for k, v in load_file(str(f)).items()}, str(dst / f.name), metadata={"format": "pt"})
+    return dst

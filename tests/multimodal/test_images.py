@@ -193,3 +193,19 @@ def test_doctor_reports_the_vision_path(model_dir, tmp_path):
     out = vm.build_gemma3(tmp_path / "g", model_dir)
     report = model_check(str(out))
     assert report["served"] and "images served" in report["reason"] and "SigLIP" in report["reason"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_the_published_checkpoints_layout_serves_the_same(family, model_dir, tmp_path):
+    """Released checkpoints were saved by transformers 4.4x (Qwen2.5-VL's text
+    fields at the top of config.json, `visual.*` / `model.layers.*`; Gemma 3's
+    `vision_tower.vision_model.*`): the same weights in that layout answer
+    the same."""
+    built = vm.BUILDERS[family](tmp_path / family, model_dir)
+    published = vm.published_layout(built, tmp_path / f"{family}-published")
+    images = [vm.make_image(21, SIZES[family][0])]
+    inputs = vm.hf_inputs(built, vm.messages("Describe the pictures.", 1), images)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    with engine(str(published), max_model_len=1024, kv_cache_memory_bytes=32 << 20) as llm:
+        out = llm.generate(_request(published, 1, images), params, use_tqdm=False)[0]
+    _check_against_transformers(built, out, inputs)
