@@ -188,6 +188,16 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=4096, rms_norm_eps=1e-6)
 
 
+def _qwen_config(config_class, architecture: str, text: dict, vision: dict, ids: dict, tie: bool):
+    """A Qwen-VL config with the vision token ids of the tokenizer (`ids`)."""
+    config = config_class(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie, dtype="float32")
+    config.architectures = [architecture]
+    return config
+
+
 def build_qwen2_5_vl(out: Path, tokenizer_dir, seed: int = 0) -> Path:
     """A tiny Qwen2.5-VL checkpoint (+ Qwen2_5_VLProcessor) in `out`.
 
@@ -205,11 +215,8 @@ def build_qwen2_5_vl(out: Path, tokenizer_dir, seed: int = 0) -> Path:
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, hidden_act="silu", patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
                   out_hidden_size=64, tokens_per_second=2)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, dtype="float32")
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config = _qwen_config(transformers.Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration", text, vision, ids,
+                          tie=False)
     torch.manual_seed(seed)
     _save(transformers.Qwen2_5_VLForConditionalGeneration(config), out, seed)
     size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
@@ -283,11 +290,7 @@ def build_qwen3_5_vl(out: Path, tokenizer_dir, seed: int = 0) -> Path:
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
-    config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, dtype="float32")
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config = _qwen_config(transformers.Qwen3_5Config, "Qwen3_5ForConditionalGeneration", text, vision, ids, tie=True)
     torch.manual_seed(seed)
     # tied: embeddings as small as the layers' outputs (else the last token repeats); the final norm's
     # gain peaks the logits

@@ -175,6 +175,11 @@ def test_other_modalities_are_refused_at_start(model_dir, tmp_path):
     assert mm.get_limit_per_prompt("image") > 0 and mm.get_limit_per_prompt("video") == 0
     config = EngineArgs(**common, language_model_only=True).create_engine_config().model_config
     assert not config.supports_multimodal_inputs  # served text-only, as asked
+    # images run with the generate runner on one rank: otherwise the text model, images refused if asked for
+    for text_only in (dict(runner="pooling"), dict(tensor_parallel_size=2)):
+        assert not EngineArgs(**common, **text_only).create_engine_config().model_config.supports_multimodal_inputs
+    with pytest.raises(ValueError, match="one rank.*--language-model-only"):
+        EngineArgs(**common, tensor_parallel_size=2, limit_mm_per_prompt={"image": 1}).create_engine_config()
 
 
 def test_docs_table_is_generated_from_the_registry():

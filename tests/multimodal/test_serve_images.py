@@ -73,6 +73,22 @@ def test_chat_with_images_answers_as_transformers(server):
     assert jpeg.status_code == 200 and jpeg.json()["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_vllm_serve_answers_with_images_for_every_family(family, model_dir, tmp_path):
+    """Gemma 3 and Qwen3.5 checkpoints through `vllm serve` with vLLM's
+    defaults (prefix caching, chunked prefill, async scheduling): a chat
+    request with an image gives transformers' greedy answer, twice."""
+    out = vm.BUILDERS[family](tmp_path / family, model_dir)
+    image = vm.make_image(5, (96, 72))
+    want = transformers_greedy(out, image)
+    with vllm_server(str(out), log_path=tmp_path / "serve.log") as (base, _):
+        with httpx.Client(base_url=base, timeout=120) as client:
+            for _ in range(2):
+                reply = chat(client, content(data_url(image)))
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["message"]["content"] == want
+
+
 @pytest.mark.parametrize("case", ["corrupt", "truncated", "bad base64", "unreachable", "outside",
                                   "too many", "video"])
 def test_bad_input_is_a_4xx_naming_it(server, case, tmp_path):

@@ -117,8 +117,8 @@ class MetalModelRunner:
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel,
                                     config_path=self.model_config.hf_config_path)
         m = self.mlx_model
-        mm = self.model_config.multimodal_config
-        if self.model_config.is_multimodal_model and mm is not None and not mm.language_model_only:
+        mm = getattr(self.model_config, "multimodal_config", None)
+        if mm is not None and self.model_config.is_multimodal_model and not mm.language_model_only:
             self.multimodal = build_multimodal(self.model_config, m, m.dtype)  # images (multimodal/)
         lora = getattr(self.vllm_config, "lora_config", None)
         if lora is not None:

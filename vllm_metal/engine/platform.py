@@ -262,7 +262,7 @@ class MetalPlatform(Platform):
         if model is not None and model.is_multimodal_model and model.supports_multimodal_inputs:
             from vllm_metal.multimodal.serving import configure
 
-            configure(model, vllm_config.scheduler_config)  # images served, or the text model only
+            configure(model, vllm_config.scheduler_config, parallel)  # images served, or the text model only
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE

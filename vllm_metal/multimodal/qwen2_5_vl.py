@@ -47,60 +47,103 @@ def window_index(grids: list[tuple[int, int, int]], merge: int, window: int, pat
     return np.concatenate(units), np.array(cu, np.int64)
 
 
-class Qwen25VisionTower:
-    """The tower and merger of a Qwen2.5-VL checkpoint (tensors under `visual.`)."""
+class QwenViT:
+    """What Qwen2.5-VL's and Qwen3.5's towers share: the vision config, the
+    patch embedding (Conv3d with kernel = stride: a linear on the processor's
+    flattened patches), 2-D rotary angles per patch (rows then columns over
+    head_dim / 2), attention over packed segments, the merger's token count."""
 
-    def __init__(self, config: dict, weights: dict[str, mx.array], dtype: mx.Dtype):
+    name = "Qwen-VL"
+
+    def __init__(self, config: dict, weights: dict[str, mx.array], dtype: mx.Dtype, defaults: dict):
         v = config["vision_config"]
-        self.dtype = dtype
-        self.hidden = int(v.get("hidden_size", 1280))
+        self.vision_config = v
+        self.dtype, self.w = dtype, weights
+        self.hidden = int(v.get("hidden_size", defaults["hidden_size"]))
         self.heads = int(v.get("num_heads", 16))
         self.head_dim = self.hidden // self.heads
-        self.depth = int(v.get("depth", 32))
-        self.patch = int(v.get("patch_size", 14))
+        self.depth = int(v.get("depth", defaults["depth"]))
+        self.patch = int(v.get("patch_size", defaults["patch_size"]))
         self.temporal = int(v.get("temporal_patch_size", 2))
+        self.channels = int(v.get("in_channels", v.get("in_chans", 3)))
         self.merge = int(v.get("spatial_merge_size", 2))
-        self.window = int(v.get("window_size", 112))
-        self.full_blocks = set(int(i) for i in v.get("fullatt_block_indexes", [7, 15, 23, 31]))
         self.out_hidden = int(v.get("out_hidden_size", 3584))
-        act = v.get("hidden_act", "silu")
-        if act not in ("silu", "quick_gelu", "gelu"):
-            raise NotImplementedError(f"Qwen2.5-VL vision tower: hidden_act {act!r} is not served")
-        self.act = act
         theta = (v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0))
         spatial = self.head_dim // 2
         self.inv_freq = 1.0 / (float(theta) ** (np.arange(0, spatial, 2, dtype=np.float64) / spatial))
-        self.w = weights
-        in_dim = 3 * self.temporal * self.patch * self.patch
+        in_dim = self.channels * self.temporal * self.patch * self.patch
         self.patch_w = vit.take(weights, "patch_embed.proj.weight").reshape(self.hidden, -1)
         if self.patch_w.shape[1] != in_dim:
-            raise ValueError(f"Qwen2.5-VL patch embedding takes {self.patch_w.shape[1]} values per patch, "
+            raise ValueError(f"{self.name} patch embedding takes {self.patch_w.shape[1]} values per patch, "
                              f"the config says {in_dim}")
         for i in range(self.depth):
             vit.take(weights, f"blocks.{i}.attn.qkv.weight", (3 * self.hidden, self.hidden))
-        vit.take(weights, "merger.mlp.2.weight", (self.out_hidden, self.hidden * self.merge ** 2))
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Text-model tokens one image of patch grid (t, h, w) becomes."""
         t, h, w = grid
         return t * h * w // (self.merge ** 2)
 
-    def __call__(self, pixel_values: np.ndarray, grids: list[tuple[int, int, int]]) -> list[mx.array]:
-        """Packed patches of several images [sum t*h*w, 3*2*14*14] -> one
-        [tokens, out_hidden] array per image (lazy)."""
-        w = self.w
+    def _embed(self, pixel_values: np.ndarray, grids) -> tuple[list[tuple[int, int, int]], mx.array, np.ndarray]:
+        """(grids as ints, patch embeddings [n, hidden], each patch's (row, column) [n, 2])."""
         grids = [tuple(int(x) for x in g) for g in grids]
         n = sum(t * h * wd for t, h, wd in grids)
         if pixel_values.shape[0] != n:
             raise ValueError(f"{pixel_values.shape[0]} patches for image grids {grids} ({n} patches)")
-        x = vit.linear(mx.array(pixel_values).astype(self.dtype), self.patch_w.astype(self.dtype))
+        bias = self.w.get("patch_embed.proj.bias")
+        x = vit.linear(mx.array(pixel_values).astype(self.dtype), self.patch_w.astype(self.dtype),
+                       None if bias is None else bias.astype(self.dtype))
+        return grids, x, np.concatenate([patch_positions(*g, self.merge) for g in grids])
+
+    def _angles(self, pos: np.ndarray) -> np.ndarray:
+        """[n, head_dim / 2]: each patch's rotary angles, its row's then its column's."""
+        return (pos[:, :, None] * self.inv_freq[None, None, :]).reshape(len(pos), -1)
+
+    def _split(self, merged: mx.array, grids) -> list[mx.array]:
+        sizes = np.cumsum([self.tokens(g) for g in grids])[:-1].tolist()
+        return mx.split(merged, sizes) if sizes else [merged]
+
+    def _attention(self, x: mx.array, p: str, table: mx.array, cu: np.ndarray) -> mx.array:
+        w = self.w
+        n = x.shape[0]
+        qkv = vit.linear(x, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape(n, 3, self.heads, self.head_dim)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        q, k = vit.rotate(q, table).astype(x.dtype), vit.rotate(k, table).astype(x.dtype)
+        out = vit.segment_attention(q, k, v, cu, self.head_dim ** -0.5)
+        return vit.linear(out.reshape(n, self.hidden), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
+
+
+def frames(grids) -> np.ndarray:
+    """Cumulative patch counts of every frame of every image (full-attention segments)."""
+    return np.concatenate([[0], np.cumsum([h * w for t, h, w in grids for _ in range(t)])])
+
+
+class Qwen25VisionTower(QwenViT):
+    """The tower and merger of a Qwen2.5-VL checkpoint (tensors under `visual.`)."""
+
+    name = "Qwen2.5-VL"
+
+    def __init__(self, config: dict, weights: dict[str, mx.array], dtype: mx.Dtype):
+        super().__init__(config, weights, dtype, {"hidden_size": 1280, "depth": 32, "patch_size": 14})
+        v = self.vision_config
+        self.window = int(v.get("window_size", 112))
+        self.full_blocks = set(int(i) for i in v.get("fullatt_block_indexes", [7, 15, 23, 31]))
+        act = v.get("hidden_act", "silu")
+        if act not in ("silu", "quick_gelu", "gelu"):
+            raise NotImplementedError(f"Qwen2.5-VL vision tower: hidden_act {act!r} is not served")
+        self.act = act
+        vit.take(weights, "merger.mlp.2.weight", (self.out_hidden, self.hidden * self.merge ** 2))
+
+    def __call__(self, pixel_values: np.ndarray, grids: list[tuple[int, int, int]]) -> list[mx.array]:
+        """Packed patches of several images [sum t*h*w, 3*2*14*14] -> one
+        [tokens, out_hidden] array per image (lazy)."""
+        w = self.w
+        grids, x, pos = self._embed(pixel_values, grids)
         unit = self.merge ** 2
-        pos = np.concatenate([patch_positions(*g, self.merge) for g in grids])
         order_units, cu_windows = window_index(grids, self.merge, self.window, self.patch)
         order = (order_units[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
-        angles = (pos[:, :, None] * self.inv_freq[None, None, :]).reshape(n, -1)[order]
-        table = vit.rotary_table(angles)
-        cu_images = np.concatenate([[0], np.cumsum([h * wd for t, h, wd in grids for _ in range(t)])])
+        table = vit.rotary_table(self._angles(pos)[order])
+        cu_images = frames(grids)
         x = x[mx.array(order.astype(np.int32))]
         for i in range(self.depth):
             p = f"blocks.{i}."
@@ -113,9 +156,7 @@ class Qwen25VisionTower:
         m = vit.rms_norm(x, w["merger.ln_q.weight"], 1e-6).reshape(-1, self.hidden * unit)
         m = vit.linear(vit.gelu(vit.linear(m, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]), False),
                        w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
-        m = m[mx.array(np.argsort(order_units).astype(np.int32))]
-        sizes = np.cumsum([self.tokens(g) for g in grids])[:-1].tolist()
-        return mx.split(m, sizes) if sizes else [m]
+        return self._split(m[mx.array(np.argsort(order_units).astype(np.int32))], grids)
 
     def _act(self, x: mx.array) -> mx.array:
         if self.act == "silu":
@@ -123,12 +164,3 @@ class Qwen25VisionTower:
         if self.act == "quick_gelu":
             return x * mx.sigmoid(1.702 * x)
         return vit.gelu(x, False)
-
-    def _attention(self, x: mx.array, p: str, table: mx.array, cu: np.ndarray) -> mx.array:
-        w = self.w
-        n = x.shape[0]
-        qkv = vit.linear(x, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape(n, 3, self.heads, self.head_dim)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        q, k = vit.rotate(q, table).astype(x.dtype), vit.rotate(k, table).astype(x.dtype)
-        out = vit.segment_attention(q, k, v, cu, self.head_dim ** -0.5)
-        return vit.linear(out.reshape(n, self.hidden), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.multimodal import vit
-from vllm_metal.multimodal.qwen2_5_vl import patch_positions
+from vllm_metal.multimodal.qwen2_5_vl import QwenViT, frames
 
 ACTS = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu": False}  # hidden_act -> tanh approximation
 
@@ -45,22 +45,15 @@ def position_taps(row: np.ndarray, col: np.ndarray, h: int, w: int, side: int) -
     return (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4), (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
 
 
-class Qwen3VisionTower:
+class Qwen3VisionTower(QwenViT):
     """The tower and merger of a Qwen3.5 checkpoint (tensors under
     `model.visual.` or `visual.`, the prefix removed)."""
 
+    name = "Qwen3.5"
+
     def __init__(self, config: dict, weights: dict[str, mx.array], dtype: mx.Dtype):
-        v = config["vision_config"]
-        self.dtype = dtype
-        self.hidden = int(v.get("hidden_size", 1152))
-        self.heads = int(v.get("num_heads", 16))
-        self.head_dim = self.hidden // self.heads
-        self.depth = int(v.get("depth", 27))
-        self.patch = int(v.get("patch_size", 16))
-        self.temporal = int(v.get("temporal_patch_size", 2))
-        self.channels = int(v.get("in_channels", 3))
-        self.merge = int(v.get("spatial_merge_size", 2))
-        self.out_hidden = int(v.get("out_hidden_size", 3584))
+        super().__init__(config, weights, dtype, {"hidden_size": 1152, "depth": 27, "patch_size": 16})
+        v = self.vision_config
         self.side = int(int(v.get("num_position_embeddings", 2304)) ** 0.5)
         if v.get("deepstack_visual_indexes") or any(k.startswith("deepstack_merger_list.") for k in weights):
             raise NotImplementedError("Qwen3-VL's deepstack visual features are not served (Qwen3.5 has none)")
@@ -68,48 +61,26 @@ class Qwen3VisionTower:
         if act not in ACTS:
             raise NotImplementedError(f"Qwen3.5 vision tower: hidden_act {act!r} is not served")
         self.approximate = ACTS[act]
-        theta = (v.get("rope_parameters") or {}).get("rope_theta", v.get("rope_theta", 10000.0))
-        spatial = self.head_dim // 2
-        self.inv_freq = 1.0 / (float(theta) ** (np.arange(0, spatial, 2, dtype=np.float64) / spatial))
-        self.w = weights
-        in_dim = self.channels * self.temporal * self.patch * self.patch
-        self.patch_w = vit.take(weights, "patch_embed.proj.weight").reshape(self.hidden, -1)
-        if self.patch_w.shape[1] != in_dim:
-            raise ValueError(f"Qwen3.5 patch embedding takes {self.patch_w.shape[1]} values per patch, "
-                             f"the config says {in_dim}")
         vit.take(weights, "patch_embed.proj.bias", (self.hidden,))
         vit.take(weights, "pos_embed.weight", (self.side * self.side, self.hidden))
-        for i in range(self.depth):
-            vit.take(weights, f"blocks.{i}.attn.qkv.weight", (3 * self.hidden, self.hidden))
         vit.take(weights, "merger.norm.weight", (self.hidden,))
         vit.take(weights, "merger.linear_fc2.weight", (self.out_hidden, self.hidden * self.merge ** 2))
-
-    def tokens(self, grid: tuple[int, int, int]) -> int:
-        """Text-model tokens one image of patch grid (t, h, w) becomes."""
-        t, h, w = grid
-        return t * h * w // (self.merge ** 2)
 
     def __call__(self, pixel_values: np.ndarray, grids: list[tuple[int, int, int]]) -> list[mx.array]:
         """Packed patches of several images [sum t*h*w, 3*2*16*16] (in the
         processor's merge-block order) -> one [tokens, out_hidden] array per
         image (lazy)."""
         w = self.w
-        grids = [tuple(int(x) for x in g) for g in grids]
-        n = sum(t * h * wd for t, h, wd in grids)
-        if pixel_values.shape[0] != n:
-            raise ValueError(f"{pixel_values.shape[0]} patches for image grids {grids} ({n} patches)")
-        x = vit.linear(mx.array(pixel_values).astype(self.dtype), self.patch_w.astype(self.dtype),
-                       w["patch_embed.proj.bias"].astype(self.dtype))
-        pos = [patch_positions(*g, self.merge) for g in grids]
-        taps = [position_taps(p[:, 0], p[:, 1], g[1], g[2], self.side) for p, g in zip(pos, grids)]
+        grids, x, pos = self._embed(pixel_values, grids)
+        starts = np.cumsum([0] + [t * h * wd for t, h, wd in grids])
+        taps = [position_taps(pos[a:b, 0], pos[a:b, 1], g[1], g[2], self.side)
+                for a, b, g in zip(starts[:-1], starts[1:], grids)]
         index = mx.array(np.concatenate([t[0] for t in taps]).astype(np.int32))
         weight = mx.array(np.concatenate([t[1] for t in taps]))
         table = w["pos_embed.weight"].astype(mx.float32)
         x = x + (table[index] * weight[:, :, None]).sum(axis=1).astype(x.dtype)
-        pos = np.concatenate(pos)
-        angles = (pos[:, :, None] * self.inv_freq[None, None, :]).reshape(n, -1)
-        rotary = vit.rotary_table(angles)
-        cu = np.concatenate([[0], np.cumsum([h * wd for t, h, wd in grids for _ in range(t)])])  # one per frame
+        rotary = vit.rotary_table(self._angles(pos))
+        cu = frames(grids)  # one segment per frame
         for i in range(self.depth):
             p = f"blocks.{i}."
             x = x + self._attention(vit.layer_norm(x, w[p + "norm1.weight"], w[p + "norm1.bias"], 1e-6), p, rotary, cu)
@@ -120,14 +91,4 @@ class Qwen3VisionTower:
         m = m.reshape(-1, self.hidden * self.merge ** 2)
         m = vit.linear(vit.gelu(vit.linear(m, w["merger.linear_fc1.weight"], w["merger.linear_fc1.bias"]), False),
                        w["merger.linear_fc2.weight"], w["merger.linear_fc2.bias"])
-        sizes = np.cumsum([self.tokens(g) for g in grids])[:-1].tolist()
-        return mx.split(m, sizes) if sizes else [m]
-
-    def _attention(self, x: mx.array, p: str, table: mx.array, cu: np.ndarray) -> mx.array:
-        w = self.w
-        n = x.shape[0]
-        qkv = vit.linear(x, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape(n, 3, self.heads, self.head_dim)
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-        q, k = vit.rotate(q, table).astype(x.dtype), vit.rotate(k, table).astype(x.dtype)
-        out = vit.segment_attention(q, k, v, cu, self.head_dim ** -0.5)
-        return vit.linear(out.reshape(n, self.hidden), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
+        return self._split(m, grids)

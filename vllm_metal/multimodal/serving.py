@@ -19,7 +19,7 @@ from vllm_metal.multimodal.step import MultimodalStep
 logger = init_logger("vllm." + __name__)
 
 
-def configure(model, scheduler) -> bool:
+def configure(model, scheduler, parallel=None) -> bool:
     """vLLM's model config of a multimodal architecture (`model`, a
     ModelConfig whose is_multimodal_model is true) and its scheduler config,
     set for what this plugin serves. Returns whether images are served.
@@ -29,7 +29,10 @@ def configure(model, scheduler) -> bool:
     (vLLM's input processing refuses them, naming the limit), one the user
     asked for is refused here; a prefix-LM family's images are never split
     across chunks (vLLM's disable_chunked_mm_input, as its CUDA platform
-    forces it), since their tokens attend to each other both ways.
+    forces it), since their tokens attend to each other both ways. Images
+    are served by the generate runner on one rank: a pooling runner or
+    tensor / pipeline parallel serve the text model (refused when images
+    are asked for).
     Otherwise the text model is served: vLLM's default limits become
     --language-model-only, a user who asked for media is refused."""
     mm = model.multimodal_config
@@ -37,6 +40,12 @@ def configure(model, scheduler) -> bool:
     family = vision_family({"model_type": getattr(model.hf_config, "model_type", None)})
     if family is not None and not has_tower(model.model, family):
         family = None  # converted for text only: the multimodal architecture without its tower
+    ranks = (parallel.tensor_parallel_size * parallel.pipeline_parallel_size) if parallel is not None else 1
+    if family is not None and (model.runner_type == "pooling" or ranks > 1):
+        family, why = None, ("the pooling runner" if model.runner_type == "pooling" else "tensor / pipeline parallel")
+        if any(_count(v) for v in asked.values()):
+            raise ValueError(f"vllm-metal serves the images of {model.architecture} with the generate runner on one "
+                             f"rank, not with {why}: serve it text-only (--language-model-only) or drop {why}.")
     if family is not None and mm is not None and not mm.language_model_only and mm.get_limit_per_prompt("image"):
         check_limits(model.hf_config.model_type, asked)
         # vLLM's own validator turns counts into its option objects
