@@ -19,9 +19,11 @@ def test_vllm_servers_get_one_image_and_no_video(tmp_path):
         cmd, env = bi.server_command(system, tmp_path, 8000, 1 << 30)
         limit = json.loads(cmd[cmd.index("--limit-mm-per-prompt") + 1])
         assert limit == {"image": 1, "video": 0} and "--dtype" in cmd
+        assert json.loads(cmd[cmd.index("--mm-processor-kwargs") + 1]) == {"max_pixels": 1036 * 1036}
     assert "PYTHONPATH" in bi.server_command("vllm-cpu", tmp_path, 8000, 1 << 30)[1]
-    cmd, _ = bi.server_command("mlx-vlm", tmp_path, 8000, 1 << 30)
-    assert cmd[0].endswith("mlx_vlm.server") and str(tmp_path) in cmd
+    cmd, env = bi.server_command("mlx-vlm", tmp_path, 8000, 1 << 30)
+    assert cmd[1].endswith("mlx_vlm_server.py") and str(tmp_path) in cmd  # the BLAS wrapper
+    assert env["VLLM_METAL_BLAS_SHIM"].endswith("libvllm_metal_blas_shim.so")
 
 
 def test_render_puts_systems_side_by_side():

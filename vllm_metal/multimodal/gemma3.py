@@ -70,7 +70,7 @@ class Gemma3VisionTower:
         x = vit.linear(x, w[p + "embeddings.patch_embedding.weight"].reshape(self.hidden, -1),
                        w[p + "embeddings.patch_embedding.bias"])
         x = (x.reshape(b, s * s, self.hidden) + w[p + "embeddings.position_embedding.weight"]).reshape(-1, self.hidden)
-        cu = np.arange(b + 1) * s * s
+        cu = vit.segments(np.arange(b + 1) * s * s)
         for i in range(self.layers):
             q = f"{p}encoder.layers.{i}."
             h = vit.layer_norm(x, w[q + "layer_norm1.weight"], w[q + "layer_norm1.bias"], self.eps)
@@ -85,7 +85,7 @@ class Gemma3VisionTower:
         x = vit.rms_norm(x, w["multi_modal_projector.mm_soft_emb_norm.weight"], self.eps, offset=1.0)
         return (x @ w["multi_modal_projector.mm_input_projection_weight"].astype(mx.float32)).astype(self.dtype)
 
-    def _attention(self, x: mx.array, p: str, cu: np.ndarray) -> mx.array:
+    def _attention(self, x: mx.array, p: str, cu: vit.EncoderBatch) -> mx.array:
         w, n = self.w, x.shape[0]
         q, k, v = (vit.linear(x, w[p + f"{name}.weight"], w[p + f"{name}.bias"]).reshape(n, self.heads, self.head_dim)
                    for name in ("q_proj", "k_proj", "v_proj"))

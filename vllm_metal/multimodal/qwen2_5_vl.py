@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal.multimodal import vit
+from vllm_metal.native import ops
 
 
 def patch_positions(t: int, h: int, w: int, merge: int) -> np.ndarray:
@@ -103,7 +104,7 @@ class QwenViT:
         sizes = np.cumsum([self.tokens(g) for g in grids])[:-1].tolist()
         return mx.split(merged, sizes) if sizes else [merged]
 
-    def _attention(self, x: mx.array, p: str, table: mx.array, cu: np.ndarray) -> mx.array:
+    def _attention(self, x: mx.array, p: str, table: mx.array, cu: vit.EncoderBatch) -> mx.array:
         w = self.w
         n = x.shape[0]
         qkv = vit.linear(x, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).reshape(n, 3, self.heads, self.head_dim)
@@ -143,7 +144,7 @@ class Qwen25VisionTower(QwenViT):
         order_units, cu_windows = window_index(grids, self.merge, self.window, self.patch)
         order = (order_units[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
         table = vit.rotary_table(self._angles(pos)[order])
-        cu_images = frames(grids)
+        cu_images, cu_windows = vit.segments(frames(grids)), vit.segments(cu_windows)
         x = x[mx.array(order.astype(np.int32))]
         for i in range(self.depth):
             p = f"blocks.{i}."
@@ -152,15 +153,16 @@ class Qwen25VisionTower(QwenViT):
             h = vit.rms_norm(x, w[p + "norm2.weight"], 1e-6)
             gate = vit.linear(h, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"))
             up = vit.linear(h, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"))
-            x = x + vit.linear(self._act(gate) * up, w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
+            x = x + vit.linear(self._gated(gate, up), w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
         m = vit.rms_norm(x, w["merger.ln_q.weight"], 1e-6).reshape(-1, self.hidden * unit)
         m = vit.linear(vit.gelu(vit.linear(m, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]), False),
                        w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
         return self._split(m[mx.array(np.argsort(order_units).astype(np.int32))], grids)
 
-    def _act(self, x: mx.array) -> mx.array:
+    def _gated(self, gate: mx.array, up: mx.array) -> mx.array:
+        """act(gate) * up; SiLU (the released checkpoints') through the SwiGLU primitive."""
         if self.act == "silu":
-            return x * mx.sigmoid(x)
+            return ops.swiglu(gate, up)
         if self.act == "quick_gelu":
-            return x * mx.sigmoid(1.702 * x)
-        return vit.gelu(x, False)
+            return gate * mx.sigmoid(1.702 * gate) * up
+        return vit.gelu(gate, False) * up

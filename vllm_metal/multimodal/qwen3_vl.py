@@ -80,7 +80,7 @@ class Qwen3VisionTower(QwenViT):
         table = w["pos_embed.weight"].astype(mx.float32)
         x = x + (table[index] * weight[:, :, None]).sum(axis=1).astype(x.dtype)
         rotary = vit.rotary_table(self._angles(pos))
-        cu = frames(grids)  # one segment per frame
+        cu = vit.segments(frames(grids))  # one segment per frame
         for i in range(self.depth):
             p = f"blocks.{i}."
             x = x + self._attention(vit.layer_norm(x, w[p + "norm1.weight"], w[p + "norm1.bias"], 1e-6), p, rotary, cu)

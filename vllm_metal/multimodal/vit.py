@@ -3,10 +3,10 @@ segments (images, or windows of one), 2-D rotary tables, the tower's
 tensors read out of a checkpoint's safetensors.
 
 Every tower runs on a step's images packed as one sequence of patches
-([patches, hidden]); attention never crosses a segment boundary. Segments of
-equal length are attended in one batched call (a Qwen-VL image's windows are
-mostly the same size), so a 1024x1024 image is a handful of calls per layer,
-not one per window.
+([patches, hidden]); attention never crosses a segment boundary: one call per
+layer of the paged-attention primitive's non-causal mode (the encoders'
+path, models/bert.py) over 16-token blocks of each segment, however many
+windows an image has.
 """
 
 from __future__ import annotations
@@ -19,32 +19,28 @@ from vllm_metal.native import ops
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from vllm_metal.models.bert import EncoderBatch, attention  # noqa: E402
 
-def segment_attention(q: mx.array, k: mx.array, v: mx.array, cu: np.ndarray, scale: float) -> mx.array:
-    """q, k, v [tokens, heads, dim]; every token attends to every token of
-    its segment cu[i] .. cu[i + 1] - 1 (and nothing else). Lazy [tokens,
-    heads, dim]."""
+
+def segments(cu: np.ndarray) -> EncoderBatch:
+    """Packed segments cu[i] .. cu[i + 1] - 1 (images, or windows of one) as
+    the paged-attention primitive's non-causal batch (models/bert.py's
+    EncoderBatch: keys and values laid out in 16-token blocks per segment)."""
     cu = np.asarray(cu, np.int64)
-    lengths = np.diff(cu)
-    if (lengths <= 0).any() or cu[0] != 0 or cu[-1] != q.shape[0]:
-        raise ValueError(f"segments {cu.tolist()} do not partition {q.shape[0]} tokens")
-    parts, order = [], []
-    for length in np.unique(lengths):
-        starts = cu[:-1][lengths == length]
-        index = (starts[:, None] + np.arange(length)[None, :]).reshape(-1)
-        order.append(index)
-        idx = mx.array(index.astype(np.int32))
-        n = len(starts)
+    if cu[0] != 0 or (np.diff(cu) <= 0).any():
+        raise ValueError(f"segments {cu.tolist()} are not a partition of the tokens")
+    return EncoderBatch(cu)
 
-        def batch(x):  # [n * L, H, D] -> [n, H, L, D]
-            return x[idx].reshape(n, int(length), x.shape[1], x.shape[2]).transpose(0, 2, 1, 3)
 
-        out = mx.fast.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
-        parts.append(out.transpose(0, 2, 1, 3).reshape(n * int(length), q.shape[1], -1))
-    if len(parts) == 1 and np.array_equal(order[0], np.arange(q.shape[0])):
-        return parts[0]
-    inverse = np.argsort(np.concatenate(order)).astype(np.int32)
-    return mx.concatenate(parts)[mx.array(inverse)]
+def segment_attention(q: mx.array, k: mx.array, v: mx.array, batch: EncoderBatch, scale: float) -> mx.array:
+    """q, k, v [tokens, heads, dim]; every token attends to every token of
+    its segment (`segments(cu)`) and nothing else, through the
+    paged-attention primitive (both backends; on MLX's CPU device its
+    vectorized float32 softmax). Lazy [tokens, heads, dim]."""
+    if q.shape[0] != batch.num_tokens:
+        raise ValueError(f"{q.shape[0]} tokens for segments of {batch.num_tokens}")
+    out = attention(q, batch.cache(k), batch.cache(v), batch, scale)
+    return out.reshape(q.shape)
 
 
 def rotary_table(angles: np.ndarray) -> mx.array:
@@ -66,7 +62,10 @@ def linear(x: mx.array, w: mx.array, b: mx.array | None = None) -> mx.array:
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float, offset: float = 0.0) -> mx.array:
-    """RMSNorm in float32, times (offset + w) (Gemma's norms store w - 1)."""
+    """RMSNorm, times (offset + w) (Gemma's norms store w - 1): the RMSNorm
+    primitive (float32 inside), or in float32 from MLX ops with an offset."""
+    if offset == 0.0:
+        return ops.rms_norm(x, w.astype(x.dtype), eps)
     x32 = x.astype(mx.float32)
     y = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * (offset + w.astype(mx.float32))).astype(x.dtype)
