@@ -125,6 +125,8 @@ def test_batched_with_text_equals_solo(served):
 def test_same_image_hits_encoder_and_prefix_cache(served):
     family, model_dir, llm = served
     runner = runner_of(llm)
+    tower = sum(v.nbytes for v in runner.multimodal.vision.tower.w.values())
+    assert tower > 0 and runner.weights_bytes() == runner.mlx_model.weights_bytes + tower  # in the memory budget
     image = vm.make_image(11, SIZES[family][0])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     # past a block after the image (hybrids cache whole 64-token blocks)

@@ -47,6 +47,7 @@ from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.multimodal.serving import MultimodalStep, build as build_multimodal
+from vllm_metal.multimodal.serving import weights_bytes as weights_bytes_of_tower
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
@@ -131,7 +132,8 @@ class MetalModelRunner:
     def weights_bytes(self) -> int:
         if self.pooling is not None:
             return self.pooling.weights_bytes
-        return self.mlx_model.weights_bytes  # this rank's resident weights (loader.py)
+        tower = weights_bytes_of_tower(self.multimodal) if self.multimodal is not None else 0
+        return self.mlx_model.weights_bytes + tower  # this rank's resident weights (loader.py; the vision tower)
 
     def adapter_reserve_bytes(self) -> int:
         return self.adapters.reserve_bytes() if self.adapters is not None else 0

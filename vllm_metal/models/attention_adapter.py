@@ -43,7 +43,7 @@ class StepAttentionInputs:
     mrope_positions: mx.array | None = None
     # Images attended both ways (Gemma 3, vLLM's mm prefix LM): the image
     # tokens' rows re-attended as sequences of their own that end at their
-    # image's last token, without the causal limit (MultimodalSpans).
+    # image's last token, without the causal limit (ImageSpans).
     image_spans: object = None
 
 

@@ -116,6 +116,7 @@ def _attach_mrope(loaded, vision) -> None:
 
 
 def weights_bytes(step: MultimodalStep) -> int:
+    """The vision tower's resident bytes (the worker's memory budget counts them beside the text model's)."""
     return sum(v.nbytes for v in step.vision.tower.w.values())
 
 
