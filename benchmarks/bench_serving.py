@@ -200,6 +200,30 @@ def _session_cpu_seconds(sid: int) -> float:
     return total / tick
 
 
+def session_cpu_by_process(sid: int) -> dict[str, float]:
+    """CPU seconds so far per live process of session `sid`, keyed 'comm:pid' (the
+    API server, vLLM's engine core 'VLLM::EngineCor...', its workers)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid:
+            out[f"{comm}:{stat.parent.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cores_by_process(before: dict, after: dict, client_s: float, wall_s: float) -> dict[str, float]:
+    """Average cores each server process (and the benchmark client) used while it measured."""
+    cores = {name.rsplit(":", 1)[0]: (after[name] - before.get(name, 0.0)) / max(wall_s, 1e-9)
+             for name in after}
+    cores["client (vllm bench serve)"] = client_s / max(wall_s, 1e-9)
+    return {k: round(v, 3) for k, v in sorted(cores.items(), key=lambda kv: -kv[1])}
+
+
 def cpu_snapshot(server_sid: int) -> tuple[float, float, float]:
     """(machine busy CPU s, server session CPU s, this process + its waited children CPU s)."""
     try:
@@ -270,10 +294,14 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
             print(f"[{tag}] benchmarking (load {record['load_before']:.2f})", flush=True)
             client_log = run_dir / "logs" / f"{tag}.client.log"
             before, t0 = cpu_snapshot(proc.pid), time.monotonic()
+            per_process = session_cpu_by_process(proc.pid)
             with open(client_log, "w") as clog:
                 subprocess.run(bench, env=clean_env({}), stdout=clog, stderr=subprocess.STDOUT,
                                check=True, timeout=args.run_timeout)
-            record["foreign_cores"] = foreign_cores(before, cpu_snapshot(proc.pid), time.monotonic() - t0)
+            after, wall = cpu_snapshot(proc.pid), time.monotonic() - t0
+            record["foreign_cores"] = foreign_cores(before, after, wall)
+            record["cores_by_process"] = cores_by_process(per_process, session_cpu_by_process(proc.pid),
+                                                          after[2] - before[2], wall)
             record.update(serving_results.load_bench_result(run_dir / "raw" / result_file))
         except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as e:
             record["error"] = f"{type(e).__name__}: {e}"

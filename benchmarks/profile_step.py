@@ -159,11 +159,11 @@ class TimedRunner:
         runner.vocab_size = self.vocab
         forward, evaluate = loaded.forward, runner._evaluate
 
-        def timed_forward(kv, inputs, logit_rows):
+        def timed_forward(kv, inputs, logit_rows, **kwargs):
             self.stamps["forward"] = time.perf_counter()
-            out = forward(kv, inputs, logit_rows)
+            out = forward(kv, inputs, logit_rows, **kwargs)
             self.stamps["graph_done"] = time.perf_counter()
-            self.last = (inputs, logit_rows)
+            self.last = (inputs, logit_rows, kwargs.get("greedy", False))
             return out
 
         def timed_evaluate(*arrays):
@@ -292,7 +292,7 @@ class Profiler:
     def classes(self) -> dict[str, float]:
         """Each op class alone on the last timed step's real shapes (ms)."""
         runner, loaded = self.timed.runner, self.timed.runner.mlx_model
-        inputs, logit_rows = self.timed.last
+        inputs, logit_rows, greedy = self.timed.last
         tokens, dtype, kv = len(inputs.token_ids), loaded.dtype, runner.kv
         time_it = lambda fn: median_ms(fn, self.reps, self.warmups)  # noqa: E731
 
@@ -326,7 +326,9 @@ class Profiler:
         hidden = mx.random.normal((1, tokens, self.timed.hidden_size())).astype(dtype)
         rows = mx.array(np.asarray(logit_rows, np.int32))
         mx.eval(hidden, rows)
-        logits = time_it(lambda: mx.eval(loaded.logits((norm(hidden) if norm else hidden)[0][rows])))
+        # The head as the step ran it: greedy steps take each row's argmax in the graph (engine/sampling.py).
+        head = loaded.greedy_tokens if greedy else loaded.logits
+        logits = time_it(lambda: mx.eval(head((norm(hidden) if norm else hidden)[0][rows])))
         return {"matmul": matmul, "attention": attention, "logits": logits}
 
 

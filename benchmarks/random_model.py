@@ -28,6 +28,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # 1 GiB of float32 K/V (4 layers x 8 KV heads x 128 x 2 x 4 bytes = 32 KiB a
 # token), and as little attention compute as that allows (no GQA sharing).
 SHAPES: dict[str, dict] = {
+    # benchmarks/bench_overhead.py: a llama whose forward costs next to nothing
+    # (4 layers of hidden 128; head_dim 32, the least vLLM's CPU backend runs),
+    # with SmolLM2's 49k vocabulary, so what a step costs is the engine around it.
+    "llama-tiny": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=49152, bos_token_id=1, eos_token_id=2, torch_dtype="float32"),
     # benchmarks/bench_pipeline.py: a llama of ~0.25B parameters (16 layers of
     # hidden 1024, GQA 16/4), about 1 GiB of float32 weights: one decode step
     # reads it all, so compute is far from negligible next to the links.

@@ -13,6 +13,7 @@
 #include "rms_norm.h"
 #include "rope.h"
 #include "swiglu.h"
+#include "argmax_head.h"
 #include "gelu.h"
 
 namespace nb = nanobind;
@@ -64,6 +65,16 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       "Lazy silu(gate) * up on MLX's CPU device (see vllm_metal.native.ops.swiglu).");
+
+  m.def(
+      "argmax_head",
+      &vllm_metal::argmax_head,
+      "hidden"_a,
+      "weight"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy argmax over the vocabulary of hidden @ weight^T on MLX's CPU device "
+      "(see vllm_metal.native.ops.argmax_head).");
 
   m.def(
       "gelu",

@@ -26,6 +26,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "1 evaluates the graph after every layer (the old eager behaviour) instead of "
         "once per engine step; for ablation and debugging.",
     ),
+    "VLLM_METAL_SAMPLE_IN_GRAPH": (
+        "1",
+        "1 samples a step whose every row is greedy (nothing editing its logits) inside the "
+        "step's graph, only the token ids reaching the host, and under async scheduling lets the "
+        "next step's graph read them there (built before the step finishes); 0 samples every "
+        "step with vLLM's Sampler on the host (for ablation and diagnosis). Same tokens either way.",
+    ),
     "VLLM_METAL_BLAS": (
         "auto",
         "Linux only: 'auto' gives MLX's matmuls numpy's OpenBLAS through vllm-metal's BLAS "

@@ -21,7 +21,12 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [g["prompt_ids"] for g in GOLDEN[:8]]
 # Request 5 stops on the first token greedy decoding produces for the first time at step >= 3.
-STOP_AT = next(j for j, t in enumerate(GOLDEN[5]["greedy_ids"]) if j >= 3 and t not in GOLDEN[5]["greedy_ids"][:j])
+def first_new(ids: list[int], at_least: int) -> int:
+    return next(j for j, t in enumerate(ids) if j >= at_least and t not in ids[:j])
+
+
+STOP_AT = first_new(GOLDEN[5]["greedy_ids"], 3)
+STOP_AT_2 = first_new(GOLDEN[2]["greedy_ids"], 5)  # greedy_workload's request 2
 
 
 def workload():
@@ -40,8 +45,26 @@ def workload():
     ]
 
 
-def run(llm, prompts):
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], workload(), use_tqdm=False)
+def greedy_workload():
+    """Every request greedy (sampled inside the step's graph, its tokens fed to
+    the next step's graph), with mixed lengths, an early stop, min_tokens past
+    which the graph samples again, and a request whose penalties make its
+    steps sample on the host, joining and leaving the greedy batch."""
+    g = GOLDEN
+    return [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[g[2]["greedy_ids"][STOP_AT_2]]),
+        SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[g[4]["greedy_ids"][2]]),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3),
+    ]
+
+
+def run(llm, prompts, params=None):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params or workload(), use_tqdm=False)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -52,7 +75,7 @@ def run(llm, prompts):
     return result
 
 
-def generate_both(model_dir, prompts=PROMPTS, **kwargs):
+def generate_both(model_dir, prompts=PROMPTS, params=None, **kwargs):
     runs = {}
     for mode in (True, False):
         with engine(model_dir, async_scheduling=mode, **kwargs) as llm:
@@ -60,7 +83,9 @@ def generate_both(model_dir, prompts=PROMPTS, **kwargs):
             core = llm.llm_engine.engine_core.engine_core
             assert runner.async_scheduling is mode
             assert (core.batch_queue is not None) is mode  # the engine's async step loop
-            runs[mode] = run(llm, prompts), runner.finished_by_next_step, runner.batch.num_resumed
+            runs[mode] = run(llm, prompts, params() if params else None), runner.finished_by_next_step, \
+                runner.batch.num_resumed
+            runs[mode, "fed"] = runner.tokens_fed, runner.steps_sampled_in_graph, runner.forward_passes
     return runs
 
 
@@ -109,3 +134,38 @@ def test_async_gives_the_sync_outputs_under_preemption(model_dir):
                          max_model_len=512, enable_prefix_caching=False)
     assert_same_outputs(runs[True][0], runs[False][0])
     assert runs[True][2] > 0 and runs[False][2] > 0, "the tiny cache should have forced preemptions"
+
+
+@pytest.mark.parametrize("case", ["chunked", "preempted"])
+def test_greedy_steps_sample_in_the_graph_and_feed_the_next(model_dir, case, monkeypatch):
+    """All-greedy steps are sampled in the graph and, under async scheduling,
+    the next step's graph reads their tokens there (built before they reach
+    the host). Tokens and finish reasons: those of synchronous scheduling and
+    of vLLM's Sampler on the host (VLLM_METAL_SAMPLE_IN_GRAPH=0), through an
+    early stop, min_tokens, a request sampling on the host in the batch,
+    chunked prefill or preemption."""
+    if case == "chunked":
+        prompts, kwargs = PROMPTS, dict(max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
+    else:
+        bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
+        prompts = [GOLDEN[-1]["prompt_ids"][:16 * (10 + i % 3) - 1] for i in range(8)]
+        kwargs = dict(kv_cache_memory_bytes=48 * bytes_per_block, max_num_seqs=8, max_model_len=512,
+                      enable_prefix_caching=False)
+    runs = generate_both(model_dir, prompts, greedy_workload, **kwargs)
+    assert_same_outputs(runs[True][0], runs[False][0])
+    fed, in_graph, passes = runs[True, "fed"]
+    assert in_graph > passes // 3 and fed > 20, runs[True, "fed"]
+    sync_fed, sync_in_graph, _ = runs[False, "fed"]
+    assert sync_fed == 0 and sync_in_graph > 0  # synchronous: sampled in the graph, nothing to feed
+    if case == "preempted":
+        assert runs[True][2] > 0
+    monkeypatch.setenv("VLLM_METAL_SAMPLE_IN_GRAPH", "0")
+    with engine(model_dir, **kwargs) as llm:
+        host = run(llm, prompts, greedy_workload())
+        assert runner_of(llm).steps_sampled_in_graph == 0 and runner_of(llm).tokens_fed == 0
+    assert_same_outputs(runs[True][0], host)
+    assert len(host[4][0]) >= 6
+    if case == "chunked":  # the golden prompts: the golden greedy tokens
+        tokens, reason, _, _ = host[2]
+        assert reason == "stop" and tokens == GOLDEN[2]["greedy_ids"][:STOP_AT_2 + 1]
+        assert host[0][0] == GOLDEN[0]["greedy_ids"][:24]

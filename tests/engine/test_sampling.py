@@ -168,6 +168,10 @@ def test_custom_logits_processor_and_generation_config_override(model_dir):
     processor = type("ForceTokenProcessor", (ForceToken, LogitsProcessor), {})
     with engine(model_dir, logits_processors=[processor], max_num_seqs=4,
                 override_generation_config={"max_new_tokens": 3, "temperature": 0.0}) as llm:
+        from engine_helpers import runner_of
+
+        # A custom processor may edit any row's logits: nothing is sampled in the graph.
+        assert runner_of(llm).sample_in_graph is False
         prompts = [GOLDEN[i]["prompt_ids"] for i in (0, 1, 2, 3)]
         params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                  extra_args={"force": 77} if i % 2 else None) for i in range(4)]
@@ -178,3 +182,30 @@ def test_custom_logits_processor_and_generation_config_override(model_dir):
         # No sampling params: the overridden generation config gives 3 greedy tokens.
         default = llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], use_tqdm=False)[0]
         assert list(default.outputs[0].token_ids) == GOLDEN[0]["greedy_ids"][:3]
+
+
+@pytest.mark.parametrize("params,in_graph", [
+    (dict(temperature=0), True),
+    (dict(temperature=0, top_k=5, top_p=0.5, min_p=0.3), True),  # argmax-invariant for greedy
+    (dict(temperature=0, min_tokens=3), False),  # stop tokens masked until 3 tokens exist
+    (dict(temperature=0, logprobs=1), False),
+    (dict(temperature=0, prompt_logprobs=0), False),
+    (dict(temperature=0, repetition_penalty=1.1), False),
+    (dict(temperature=0, presence_penalty=0.1), False),
+    (dict(temperature=0, frequency_penalty=0.1), False),
+    (dict(temperature=0, logit_bias={3: 1.0}), False),
+    (dict(temperature=0, allowed_token_ids=[3, 4]), False),
+    (dict(temperature=0.5), False),
+    (dict(temperature=0.5, seed=3), False),
+])
+def test_which_rows_sample_in_the_graph(params, in_graph):
+    """engine/sampling.greedy_in_graph: exactly the rows vLLM's Sampler would
+    answer with the argmax of the raw logits."""
+    from vllm_metal.engine.persistent_batch import RequestState
+    from vllm_metal.engine.sampling import greedy_in_graph
+
+    state = RequestState("r", [1, 2], SamplingParams(**params), None, [[]], 0)
+    assert greedy_in_graph(state) is in_graph
+    if params.get("min_tokens"):
+        state.output_token_ids.extend([5, 6, 7])  # min_tokens reached: the mask is gone
+        assert greedy_in_graph(state)

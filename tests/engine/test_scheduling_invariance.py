@@ -81,24 +81,32 @@ def test_sync_per_layer_ablation_gives_same_tokens(model_dir, monkeypatch):
 
 def test_default_step_is_one_lazy_graph(model_dir, monkeypatch):
     """Instrumented: when the forward graph is fully built, no layer's cache
-    write has run yet, and the step then makes exactly one mx.eval call."""
+    write has run yet, and the step's graph (its caches) is then evaluated by
+    exactly one call (mx.eval, or mx.async_eval under async scheduling; a
+    greedy step's token feed may wait for the previous step's tokens, which
+    evaluates nothing of this step)."""
     with engine(model_dir) as llm:
         runner = runner_of(llm)
         model = runner.mlx_model
         pending_when_built, eval_calls = [], []
-        real_hidden, real_eval = model.hidden_states, mx.eval
+        real_hidden, real_eval, real_async = model.hidden_states, mx.eval, mx.async_eval
 
         def hidden_states(*args, **kwargs):
             out = real_hidden(*args, **kwargs)
             pending_when_built.append(sum(not ops._ext.is_materialized(k) for k in runner.kv.keys))
             return out
 
-        def counting_eval(*args):
-            eval_calls.append(len(args))
-            return real_eval(*args)
+        def counting(real):
+            def call(*args):
+                # A call evaluating the step's caches (the list of the runner's current KV arrays).
+                if any(isinstance(a, list) and any(x is runner.kv.keys[0] for x in a) for a in args):
+                    eval_calls.append(len(args))
+                return real(*args)
+            return call
 
         monkeypatch.setattr(model, "hidden_states", hidden_states)
-        monkeypatch.setattr(mx, "eval", counting_eval)
+        monkeypatch.setattr(mx, "eval", counting(real_eval))
+        monkeypatch.setattr(mx, "async_eval", counting(real_async))
         before = runner.forward_passes
         greedy(llm, [TARGET["prompt_ids"], OTHERS[2]], max_tokens=8)
         steps = runner.forward_passes - before

@@ -43,3 +43,15 @@ def test_gpu_gelu_matches_the_cpu_primitive():
                                    rtol=2e-6, atol=2e-6)
     with pytest.raises(RuntimeError, match="vllm_metal.native.ops.gelu"):
         mx.eval(ops._ext.gelu(x, stream=mx.gpu))
+
+
+def test_gpu_argmax_head_matches_the_cpu_primitive():
+    """ops.argmax_head on the GPU is MLX's own matmul and argmax; the
+    ArgmaxHead primitive is CPU-only and refuses a GPU stream naming the op."""
+    rng = np.random.default_rng(2)
+    h = mx.array(rng.standard_normal((24, 128)).astype(np.float32))
+    w = mx.array(rng.standard_normal((5000, 128)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(ops.argmax_head(h, w, stream=mx.gpu)),
+                                  np.array(ops.argmax_head(h, w, stream=mx.cpu)))
+    with pytest.raises(RuntimeError, match="vllm_metal.native.ops.argmax_head"):
+        mx.eval(ops._ext.argmax_head(h, w, stream=mx.gpu))

@@ -199,3 +199,28 @@ def test_few_row_kernel_on_the_pool_matches_float64(m, rng):
     finally:
         fast_blas.set_few_rows_min(previous)
     _check(np.array(got), x.astype(np.float64), w.T.astype(np.float64))
+
+
+def _openblas_timeout(env: dict) -> str:
+    """In a fresh interpreter: numpy's OpenBLAS's worker spin, as the library reports it."""
+    import subprocess
+
+    code = ("import ctypes, os, vllm_metal.native.ops; from vllm_metal.native import fast_blas; "
+            "lib = ctypes.CDLL(fast_blas.libraries['gemm']); "
+            "print(lib.openblas_thread_timeout(), os.environ.get('OPENBLAS_THREAD_TIMEOUT'), fast_blas.summary())")
+    env = {**{k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}, **env}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_openblas_workers_sleep_soon_unless_the_user_chose():
+    """numpy's OpenBLAS read its environment when numpy loaded it; the shim's
+    set-up re-reads it with OPENBLAS_THREAD_TIMEOUT=10 and restarts the idle
+    workers (their polling would otherwise hold a core for ~0.1 s after every
+    BLAS call); a value the user set stands. Matmuls still right afterwards."""
+    timeout, env, summary = _openblas_timeout({}).split(" ", 2)
+    assert timeout == env == str(fast_blas.SPIN_TIMEOUT) and "workers sleep after 2^10 cycles" in summary
+    timeout, env, summary = _openblas_timeout({"OPENBLAS_THREAD_TIMEOUT": "7"}).split(" ", 2)
+    assert timeout == env == "7" and "set by the user" in summary
+    a = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)
+    _check(np.array(mx.array(a) @ mx.array(a.T)), a.astype(np.float64), a.T.astype(np.float64))

@@ -30,18 +30,17 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal import envs
 from vllm_metal.adapters.pool import AdapterPool
 from vllm_metal.distributed.plan import ParallelPlan
-from vllm_metal.engine import kv_specs, prompt_logprobs
+from vllm_metal.engine import kv_specs, step_rows
 from vllm_metal.engine.persistent_batch import PersistentBatch
 from vllm_metal.engine.pooling_runner import PoolingSide
-from vllm_metal.engine.sampling import sample
+from vllm_metal.engine.sampling import greedy_in_graph, only_builtin_logitsprocs
 from vllm_metal.engine.state_align import AlignedStateIndex
 from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
-from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep
+from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep, collect, sample_step
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
@@ -71,6 +70,13 @@ class MetalModelRunner:
         # --runner pooling: the model and its pooler (engine/pooling_runner.py), set at load.
         self.pooling: PoolingSide | None = None
         self.batch = PersistentBatch(self.logitsprocs)
+        # Sampling inside the graph (engine/sampling.py) and the token feed
+        # (engine/step_rows.py): off with a custom logits processor, which may
+        # edit any row's logits and read its tokens at any time.
+        self.sample_in_graph = only_builtin_logitsprocs(self.logitsprocs) and \
+            envs.get_bool("VLLM_METAL_SAMPLE_IN_GRAPH")
+        self.steps_sampled_in_graph = 0
+        self.tokens_fed = 0  # input tokens read from the previous step's graph (instrumentation)
         self.mlx_model: LoadedModel | None = None
         self.kv: PagedKVCache | None = None
         self.block_sizes: list[int] = []
@@ -90,7 +96,7 @@ class MetalModelRunner:
         self._pending: PendingStep | None = None
         # Under async scheduling vLLM's multiprocess executor asks for a step's
         # output on its own thread while the next execute_model may arrive.
-        self._finish_lock = threading.Lock()
+        self._finish_lock = threading.RLock()  # a step finishes the step it reads tokens from first
         # The worker side of a KV connector (--kv-transfer-config: our disk
         # cache), driven here as vLLM's GPU runner drives its connector.
         self.kv_connector = None
@@ -213,41 +219,57 @@ class MetalModelRunner:
 
     def _start_evaluation(self, *arrays) -> None:
         """The step's one evaluation, awaited now (synchronous scheduling) or
-        only started (async scheduling: awaited in _collect)."""
+        only started (async scheduling: awaited when its output is asked for)."""
         if not self.async_scheduling:
             self._evaluate(*arrays)
             return
         self.evaluations += 1
         mx.async_eval(*arrays)
 
-    def _forward(self, inputs, logit_rows: np.ndarray) -> mx.array | None:
+    def _forward(self, inputs, logit_rows: np.ndarray, argmax: bool = False,
+                 after: mx.array | None = None) -> mx.array | None:
         """The whole model over the packed step as one graph, its evaluation
         started (awaited unless async scheduling is on); the logits, lazy
-        (None on a pipeline stage before the last: its output is sent)."""
+        (None on a pipeline stage before the last: its output is sent), or
+        with `argmax` each row's greedy token (int32, the logits stay in the graph).
+
+        `after`: the previous step's tokens, which this graph reads (token
+        feed). The graph is built while that step computes, but its
+        evaluation starts only once that step is done: MLX's CPU backend
+        decides at dispatch whether a cache write may reuse its input's
+        buffer, and a buffer still held by the previous step's work would
+        be copied whole (the KV cache, every layer, every step)."""
         self.forward_passes += 1
         m = self.mlx_model
-        logits = m.forward(self.kv, inputs, logit_rows)
+        # An adapter may target the head: then its tokens come from the model's own logits.
+        out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
+        if after is not None:
+            mx.eval(after)
         sends = m.transport.take_pending() if m.transport is not None else []
-        self._start_evaluation(*([logits] if logits is not None else []), *sends, self.kv.arrays())
-        return logits
+        self._start_evaluation(*([out] if out is not None else []), *sends, self.kv.arrays())
+        return out
 
     def execute_model(self, so: SchedulerOutput):
         # The previous step is finished before the batch changes (async
         # scheduling: its output may not have been asked for yet).
         pending, self._pending = self._pending, None
+        prev = None  # an unfinished step whose in-graph tokens this step may read (step_rows.py)
         if pending is not None and pending.sample_requested:
-            if pending.output is None and pending.error is None:
-                self.finished_by_next_step += 1
-            self._finish(pending)
+            if pending.feeds_tokens and self._may_feed():
+                prev = pending
+            else:
+                if pending.output is None and pending.error is None:
+                    self.finished_by_next_step += 1
+                self._finish(pending)
         connector = self.kv_connector
         if connector is None:
-            return self._execute(so, None)
+            return self._execute(so, None, prev)
         # vLLM's connector lifecycle (kv_connector_model_runner_mixin): bind
         # the step's metadata, load before the forward, save after it, report
         # finished transfers and load errors, clear.
         connector.bind_connector_metadata(so.kv_connector_metadata)
         try:
-            return self._execute(so, connector)
+            return self._execute(so, connector, prev)
         finally:
             connector.clear_connector_metadata()
 
@@ -259,7 +281,15 @@ class MetalModelRunner:
                                  failed_recving=results.failed_recving,
                                  invalid_block_ids=connector.get_block_ids_with_load_errors())
 
-    def _execute(self, so: SchedulerOutput, connector):
+    def _may_feed(self) -> bool:
+        """The next step's graph may take this step's tokens from its graph:
+        async scheduling, one rank, text only (images and pipeline stages
+        read the input ids on the host)."""
+        m = self.mlx_model
+        return self.async_scheduling and self.multimodal is None and m.transport is None and \
+            self.kv_connector is None
+
+    def _execute(self, so: SchedulerOutput, connector, prev: PendingStep | None = None):
         self.batch.update(so)
         if self.state_index is not None:
             self.state_index.forget(so)
@@ -282,21 +312,20 @@ class MetalModelRunner:
             # step: it samples nothing (vLLM recomputes it from the bad block).
             failed_loads = connector.failed_load_req_ids
         states = self.batch.states()
-        rows, discard, logit_rows, prompt_rows, extra = [], [], [], [], []
-        offset = 0
-        for state in states:
-            n = so.num_scheduled_tokens[state.req_id]
-            start = state.num_computed_tokens
-            rows.append(ScheduledRow(state.tokens(start, start + n), start))
-            # still prefilling: no token this step
-            discard.append(start + n < state.num_tokens or state.req_id in failed_loads)
-            logit_rows.append(offset + n - 1)
-            m = prompt_logprobs.rows_this_step(state, start, n) if state.req_id not in failed_loads else 0
-            if m:
-                prompt_rows.append((state, start, m))
-                extra.extend(range(offset, offset + m))  # after every row's last token
-            offset += n
+        plan = step_rows.plan(states, so.num_scheduled_tokens, failed_loads,
+                              prev.sampling_rows() if prev is not None else None)
+        if plan is None:  # a token the feed cannot give: the previous step finishes first
+            self.finished_by_next_step += 1
+            self._finish(prev)
+            prev = None
+            plan = step_rows.plan(states, so.num_scheduled_tokens, failed_loads)
+        rows = plan.rows
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
+        if plan.fed_at:
+            inputs.token_ids_mx = step_rows.token_ids(inputs.token_ids, plan.fed_at, plan.fed_from, prev.tokens_mx)
+            self.tokens_fed += len(plan.fed_at)
+        else:
+            prev = None
         if self.multimodal is not None:  # the step's images: encoded, scattered, positioned (multimodal/step.py)
             self.multimodal.encode(so, self.batch.requests)
             self.multimodal.prepare(states, rows, inputs, self.mlx_model.embed_tokens)
@@ -306,46 +335,29 @@ class MetalModelRunner:
             inputs.state_slots = dict(zip(self.align_groups, moved))
         if self.adapters is not None:
             self.adapters.begin_step([s.lora_request for s in states], np.diff(inputs.cu_seqlens_q))
+        argmax = self.sample_in_graph and not plan.prompt_rows and not so.has_structured_output_requests \
+            and all(greedy_in_graph(s) for s in states)
         try:
-            logits = self._forward(inputs, np.array(logit_rows + extra, np.int64))
+            out = self._forward(inputs, np.array(plan.logit_rows, np.int64), argmax,
+                                prev.tokens_mx if prev is not None else None)
         finally:
             if self.adapters is not None:
                 self.adapters.end_step()
-        if logits is None:
+        if out is None:
             # A pipeline stage before the last: its part is done (evaluated
             # under the synchronous scheduling vLLM uses with pipelines);
             # the last stage samples and answers the engine.
             return None
-        step = PendingStep(so, states, discard, prompt_rows, logits)
-        if not self.async_scheduling:
-            self._collect(step)
+        step = PendingStep(so, states, plan.discard, plan.prompt_rows, None if argmax else out,
+                           tokens_mx=out if argmax else None, prev=prev)
+        self.steps_sampled_in_graph += argmax
+        if not self.async_scheduling and not argmax:
+            collect(step, self.kv.arrays(), self.vocab_size, self.model_config.logprobs_mode)
         # A disk save reads the written blocks: it waits for the evaluation
         # (the platform keeps async scheduling off with a connector).
         step.kv_connector_output = self._connector_output(so, connector) if connector is not None else None
         self._pending = step
         return None  # the engine calls sample_tokens next
-
-    def _collect(self, step: PendingStep) -> None:
-        """The step's logits to the host (waiting for its evaluation), its
-        prompt scores recorded and, for rows that sample now, handed over."""
-        if step.logits is not None:
-            return
-        mx.eval(step.logits_mx, self.kv.arrays())  # a no-op when already evaluated
-        logits = torch.from_numpy(np.array(step.logits_mx, copy=False))
-        step.logits_mx = None
-        cursor = len(step.states)
-        for state, start, m in step.prompt_rows:
-            prompt_logprobs.record(state, logits[cursor:cursor + m], start, self.vocab_size,
-                                   self.model_config.logprobs_mode)
-            cursor += m
-        # Handed over with the step that samples the request's first token,
-        # exactly once (never with a partial prefill, never after a resume).
-        step.prompt_logprobs = {state.req_id: prompt_logprobs.hand_over(state)
-                                for state, dropped in zip(step.states, step.discard)
-                                if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
-        # A view, not a copy: the first rows of the step's own logits buffer (MLX's, writable,
-        # kept alive by the tensor), which grammar masks and the sampler may edit in place.
-        step.logits = logits[:len(step.states)]
 
     def sample_tokens(self, grammar_output: GrammarOutput | None):
         step = self._pending
@@ -358,41 +370,20 @@ class MetalModelRunner:
         return self._finish(step)
 
     def _finish(self, step: PendingStep) -> ModelRunnerOutput:
-        """Waits for the step, samples it and builds its output, once; a
-        failure (an evaluation error surfaces here) is kept and raised again
-        to whoever asks for the output later."""
+        """Waits for the step, samples it and builds its output, once (after
+        the step it read tokens from); a failure (an evaluation error
+        surfaces here) is kept and raised again to whoever asks for the
+        output later."""
         with self._finish_lock:
+            if step.prev is not None:
+                prev, step.prev = step.prev, None
+                self._finish(prev)
             if step.output is None and step.error is None:
                 try:
-                    step.output = self._sample(step)
+                    step.output = sample_step(self, step)
                 except BaseException as e:
                     step.error = e
                     raise
             if step.error is not None:
                 raise step.error
             return step.output
-
-    def _sample(self, step: PendingStep) -> ModelRunnerOutput:
-        self._collect(step)
-        states = step.states
-        if step.grammar_output is not None:
-            apply_grammar_bitmask(step.scheduler_output, step.grammar_output, self.batch, step.logits)
-        out = sample(self.sampler, step.logits, states, step.discard, self.vocab_size, self.logitsprocs)
-        sampled = out.sampled_token_ids.tolist()
-        tokens: list[list[int]] = []
-        for state, row, dropped in zip(states, sampled, step.discard):
-            if dropped:
-                tokens.append([])
-                continue
-            state.output_token_ids.extend(row)
-            tokens.append(row)
-        req_ids = [state.req_id for state in states]
-        step.logits = None
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=tokens,
-            logprobs=out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None,
-            prompt_logprobs_dict=step.prompt_logprobs,
-            kv_connector_output=step.kv_connector_output,
-        )

@@ -1,9 +1,13 @@
-"""Sampling through vLLM's own torch Sampler, on CPU tensors.
+"""Sampling: in the step's graph where the answer is an argmax, else
+through vLLM's own torch Sampler on CPU tensors.
 
-Logits come out of the MLX graph as float32 numpy; everything after that
-(temperature, top-k/top-p/min-p, penalties, bad words, allowed ids, logit
-bias, min_tokens, seeds, logprobs, grammar bitmasks) is vLLM's code, so the
-semantics are exactly vLLM's.
+A step whose every row is greedy with nothing that edits its logits first
+(`greedy_in_graph`) samples inside the MLX graph: vLLM's Sampler would take
+the argmax of the raw logits for it, so the graph takes it and only the
+token ids reach the host. Any other step's logits come out of the graph as
+float32 numpy; everything after that (temperature, top-k/top-p/min-p,
+penalties, bad words, allowed ids, logit bias, min_tokens, seeds, logprobs,
+grammar bitmasks) is vLLM's code, so the semantics are exactly vLLM's.
 """
 
 from __future__ import annotations
@@ -11,9 +15,31 @@ from __future__ import annotations
 import torch
 from vllm.sampling_params import SamplingType
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                     MinTokensLogitsProcessor)
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_metal.engine.persistent_batch import RequestState
+
+
+BUILTIN_LOGITSPROCS = (MinPLogitsProcessor, LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
+
+
+def only_builtin_logitsprocs(logitsprocs) -> bool:
+    """No custom logits processor is configured (one may edit any row's
+    logits or read its tokens at any time: such a server samples on the host)."""
+    return all(isinstance(p, BUILTIN_LOGITSPROCS) for p in logitsprocs.all)
+
+
+def greedy_in_graph(state: RequestState) -> bool:
+    """vLLM's Sampler would answer this row with the argmax of its raw logits:
+    greedy, no logprobs, and nothing that edits the logits before the argmax
+    (penalties, bad words, allowed ids, logit bias, min_tokens not yet reached)."""
+    p = state.sampling_params
+    return (p is not None and p.sampling_type == SamplingType.GREEDY and p.logprobs is None
+            and p.prompt_logprobs is None and p.frequency_penalty == 0 and p.presence_penalty == 0
+            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and not p.allowed_token_ids
+            and not p.logit_bias and (not p.min_tokens or len(state.output_token_ids) >= p.min_tokens))
 
 
 def sampling_metadata(states: list[RequestState], vocab_size: int, logitsprocs) -> SamplingMetadata:

@@ -42,6 +42,9 @@ class StepInputs:
     input_embeddings: object = None
     mrope_positions: np.ndarray | None = None
     image_spans: object = None
+    # The input ids as a lazy MLX array when some are read from the previous
+    # step's in-graph tokens (engine/step_rows.py); None: token_ids.
+    token_ids_mx: object = None
 
     @property
     def last_token_indices(self) -> np.ndarray:

@@ -1,5 +1,7 @@
-"""One engine step between execute_model and its ModelRunnerOutput, and the
-AsyncModelRunnerOutput that hands it over under async scheduling."""
+"""One engine step between execute_model and its ModelRunnerOutput: its
+logits (or in-graph sampled tokens) brought to the host, sampled, handed
+over; and the AsyncModelRunnerOutput that hands it over under async
+scheduling."""
 
 from __future__ import annotations
 
@@ -7,11 +9,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
+from vllm_metal.engine import prompt_logprobs
 from vllm_metal.engine.persistent_batch import RequestState
+from vllm_metal.engine.sampling import sample
 
 if TYPE_CHECKING:
     from vllm_metal.engine.model_runner import MetalModelRunner
@@ -26,6 +32,12 @@ class PendingStep:
     discard: list[bool]  # rows still in chunked prefill (or failed KV loads): no token this step
     prompt_rows: list[tuple[RequestState, int, int]]  # (state, first position, rows) of prompt scores
     logits_mx: mx.array | None  # [rows + prompt rows, vocab] float32, evaluated or being evaluated
+    # Sampled in the graph (every row greedy, sampling.greedy_in_graph): int32
+    # [rows], evaluated or being evaluated; the logits never leave the graph.
+    tokens_mx: mx.array | None = None
+    # The step whose in-graph tokens this step's graph reads (token feed,
+    # engine/step_rows.py): finished (its tokens appended) before this one.
+    prev: PendingStep | None = None
     kv_connector_output: KVConnectorOutput | None = None
     # Filled when the logits reach the host (collect):
     logits: torch.Tensor | None = None  # [num_rows, vocab]: each row's last token
@@ -35,6 +47,72 @@ class PendingStep:
     grammar_output: GrammarOutput | None = None
     output: ModelRunnerOutput | None = None
     error: BaseException | None = None
+
+    @property
+    def feeds_tokens(self) -> bool:
+        """Its tokens exist in the graph before they reach the host: a next
+        step may read them there (only while it is unfinished)."""
+        return self.tokens_mx is not None and self.output is None and self.error is None
+
+    def sampling_rows(self) -> dict[str, int]:
+        """req_id -> the row of tokens_mx holding that request's new token."""
+        return {s.req_id: i for i, (s, dropped) in enumerate(zip(self.states, self.discard)) if not dropped}
+
+
+def collect(step: PendingStep, kv_arrays, vocab_size: int, logprobs_mode) -> None:
+    """The step's logits to the host (waiting for its evaluation), its
+    prompt scores recorded and, for rows that sample now, handed over."""
+    if step.logits is not None or step.tokens_mx is not None:
+        return
+    mx.eval(step.logits_mx, kv_arrays)  # a no-op when already evaluated
+    logits = torch.from_numpy(np.array(step.logits_mx, copy=False))
+    step.logits_mx = None
+    cursor = len(step.states)
+    for state, start, m in step.prompt_rows:
+        prompt_logprobs.record(state, logits[cursor:cursor + m], start, vocab_size, logprobs_mode)
+        cursor += m
+    # Handed over with the step that samples the request's first token,
+    # exactly once (never with a partial prefill, never after a resume).
+    step.prompt_logprobs = {state.req_id: prompt_logprobs.hand_over(state)
+                            for state, dropped in zip(step.states, step.discard)
+                            if not dropped and prompt_logprobs.wants_prompt_logprobs(state)}
+    # A view, not a copy: the first rows of the step's own logits buffer (MLX's, writable,
+    # kept alive by the tensor), which grammar masks and the sampler may edit in place.
+    step.logits = logits[:len(step.states)]
+
+
+def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutput:
+    """The step's tokens (from the graph, or vLLM's Sampler on its logits),
+    appended to each request's state, as vLLM's ModelRunnerOutput."""
+    states, logprobs = step.states, None
+    if step.tokens_mx is not None:
+        # tolist() waits for the evaluation (only this array: it is all the host needs).
+        sampled = [[t] for t in step.tokens_mx.tolist()]
+        step.tokens_mx = None
+    else:
+        collect(step, runner.kv.arrays(), runner.vocab_size, runner.model_config.logprobs_mode)
+        if step.grammar_output is not None:
+            apply_grammar_bitmask(step.scheduler_output, step.grammar_output, runner.batch, step.logits)
+        out = sample(runner.sampler, step.logits, states, step.discard, runner.vocab_size, runner.logitsprocs)
+        sampled = out.sampled_token_ids.tolist()
+        logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
+        step.logits = None
+    tokens: list[list[int]] = []
+    for state, row, dropped in zip(states, sampled, step.discard):
+        if dropped:
+            tokens.append([])
+            continue
+        state.output_token_ids.extend(row)
+        tokens.append(row)
+    req_ids = [state.req_id for state in states]
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=tokens,
+        logprobs=logprobs,
+        prompt_logprobs_dict=step.prompt_logprobs if step.prompt_logprobs is not None else {},
+        kv_connector_output=step.kv_connector_output,
+    )
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

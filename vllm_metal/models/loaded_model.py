@@ -60,6 +60,10 @@ class LoadedModel:
     # A pooling model (loader's pooling=True): the LM head's and a classifier's
     # tensors, lazy (read only if the pooling head uses them); no LM head is built.
     head_weights: dict = field(default_factory=dict)
+    # The output head as one float32 [vocab, hidden] matrix when the logits are
+    # exactly hidden @ W^T (no scale, softcap or bias; not split by tensor
+    # parallel), found by greedy_head(); False: not such a head.
+    _plain_head: object = None
 
     def owns(self, layer: int) -> bool:
         return self.owned is None or layer in self.owned
@@ -137,22 +141,63 @@ class LoadedModel:
         """Some layers are linear attention (a hybrid model)."""
         return any(kv.layout == "state" for kv in self.layer_kv)
 
-    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray) -> mx.array | None:
+    def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray, greedy: bool = False,
+                fused_head: bool = True) -> mx.array | None:
         """One packed step (step_inputs.StepInputs) through every layer and the
-        head: lazy float32 logits of the hidden rows `logit_rows`; the caches
+        head: lazy float32 logits of the hidden rows `logit_rows` (with
+        `greedy`: their argmax tokens, int32, see greedy_tokens); the caches
         in `kv` are replaced by their written versions (evaluate them with the
         logits). A pipeline stage before the last returns None: its output
         leaves through the transport (evaluate `transport.take_pending()`)."""
         kv.retained = []
         kv.step = self._step_inputs(inputs)
         try:
-            hidden = self.hidden_states(mx.array(inputs.token_ids), kv.layer_views(),
+            ids = getattr(inputs, "token_ids_mx", None)
+            hidden = self.hidden_states(mx.array(inputs.token_ids) if ids is None else ids, kv.layer_views(),
                                         getattr(inputs, "input_embeddings", None))
             if not self.last_stage:
                 return None
-            return self.logits(hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))])
+            rows = hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))]
+            return self.greedy_tokens(rows, fused_head) if greedy else self.logits(rows)
         finally:
             kv.step = None
+
+    def greedy_tokens(self, hidden: mx.array, fused_head: bool = True) -> mx.array:
+        """Final hidden rows -> each row's argmax token (int32, lazy): through
+        the ArgmaxHead primitive when the head is a plain matrix (ops.argmax_head:
+        the logits never leave the registers), else argmax of `logits`."""
+        w = self.greedy_head() if fused_head else None
+        if w is not None:
+            return ops.argmax_head(hidden.astype(mx.float32), w)
+        return mx.argmax(self.logits(hidden), axis=-1).astype(mx.int32)
+
+    def greedy_head(self) -> mx.array | None:
+        """The head's float32 [vocab, hidden] matrix when the model's own
+        logits are exactly hidden @ W^T: the checkpoint's bias-free lm_head,
+        else the tied input embedding (not MLX-quantized), checked once
+        against `logits` on probe rows (a family that scales or softcaps its
+        logits, or a head split by tensor parallel, fails the check)."""
+        if self._plain_head is None:
+            self._plain_head = self._find_plain_head()
+        return self._plain_head if self._plain_head is not False else None
+
+    def _find_plain_head(self):
+        owner = decoder_owner(self.model)
+        head = owner["lm_head"] if "lm_head" in owner else owner["model"].embed_tokens  # (checked below)
+        if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head or head.weight.dtype != mx.float32 \
+                or not self.last_stage:
+            return False
+        w = head.weight
+        probe = mx.random.normal((4, w.shape[1]), key=mx.random.key(0)).astype(mx.float32)
+        try:
+            want = self.logits(probe)
+        except Exception:  # noqa: BLE001 -- whatever the head does, it is not a plain matrix
+            return False
+        if want.shape != (4, w.shape[0]):
+            return False
+        got = probe @ w.T
+        scale = float(mx.max(mx.abs(want)).item()) or 1.0
+        return w if float(mx.max(mx.abs(want - got)).item()) <= 1e-5 * scale else False
 
     def forward_hidden(self, kv: PagedKVCache, inputs) -> mx.array:
         """One packed step, as `forward`, to the final hidden states of every

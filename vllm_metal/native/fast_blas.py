@@ -158,7 +158,43 @@ def _bind_shim() -> str | None:
     _shim = lib
     libraries.update(shim=shim, gemm=target)
     _gemm_info = _openblas_info(target, lib.vllm_metal_blas_shim_target().decode())
+    _gemm_info += "; " + _shorten_spin(target)
     return None
+
+
+# OpenBLAS's workers poll for the next call (sched_yield) for 2^THREAD_TIMEOUT
+# cycles before sleeping: 2^28 (~0.1 s) by default, so between the BLAS calls
+# of a step one core is never free for the step's other kernels (attention,
+# norms, the greedy head) on their own pool, nor for vLLM's host work. 2^10
+# cycles (~0.4 us) makes them sleep at once; measured in docs/benchmarks.md
+# (#engine-overhead): +45-60% output tok/s at concurrency 64 on the tiny model.
+SPIN_TIMEOUT = 10
+
+
+def _shorten_spin(path: str) -> str:
+    """Sets numpy's OpenBLAS's worker spin to 2^SPIN_TIMEOUT cycles (unless
+    OPENBLAS_THREAD_TIMEOUT is set already: the user's value stands). The
+    library read its environment when numpy loaded it, so the variable is set,
+    re-read (openblas_read_env) and the idle workers restarted with it
+    (blas_thread_shutdown_ / blas_thread_init: what OpenBLAS does around a
+    fork). Child processes inherit the variable. Returns what happened."""
+    mine = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "").strip()
+    if mine:
+        return f"OPENBLAS_THREAD_TIMEOUT={mine} (set by the user)"
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        read_env, timeout = lib.openblas_read_env, lib.openblas_thread_timeout
+        shutdown, init = lib.blas_thread_shutdown_, lib.blas_thread_init
+    except (OSError, AttributeError) as e:
+        return f"worker spin left at OpenBLAS's default ({e})"
+    timeout.restype = ctypes.c_int
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(SPIN_TIMEOUT)
+    read_env()
+    if timeout() != SPIN_TIMEOUT:
+        return "worker spin left at OpenBLAS's default (the library ignored OPENBLAS_THREAD_TIMEOUT)"
+    shutdown()
+    init()
+    return f"workers sleep after 2^{SPIN_TIMEOUT} cycles (OPENBLAS_THREAD_TIMEOUT={SPIN_TIMEOUT})"
 
 
 def _openblas_info(path: str, sgemm_symbol: str) -> str:

@@ -43,11 +43,12 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from vllm_metal.native.elementwise import (  # noqa: E402,F401  (re-exported: ops.swiglu etc.)
-    GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array, _device_of,
-    gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope, rope_composed, swiglu)
+    ARGMAX_HEAD_MIN_ROWS, GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array,
+    _device_of, argmax_head, gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope, rope_composed,
+    swiglu)
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path",
-           "gated_delta", "gated_delta_path", "swiglu", "gelu", "layer_norm", "rms_norm", "rope",
+           "gated_delta", "gated_delta_path", "swiglu", "argmax_head", "gelu", "layer_norm", "rms_norm", "rope",
            "SlotMapping"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")

@@ -1,0 +1,177 @@
+// The CPU greedy-head kernel, compiled once per instruction set: each row's
+// argmax over the vocabulary of hidden @ weight^T without writing the logits.
+//
+// The hidden rows are transposed once per call into [dim][rows padded to 16]
+// so that sixteen rows sit in one vector; the weight is read in place, one
+// element broadcast against those vectors, so each vocabulary row's dot
+// products with sixteen hidden rows accumulate lane-wise (one FMA per k, in
+// k order) and the running maximum is a lane-wise compare-and-blend: no
+// horizontal reduction anywhere. A micro-tile is kVocab vocabulary rows x
+// kGroups groups of sixteen hidden rows (AVX-512: 4 x 4 accumulators; the
+// 16-lane vectors take two registers on AVX2, so 2 x 2 there). The
+// vocabulary is split into chunks over the kernels' thread pool; chunk
+// maxima are merged in vocabulary order, and a later index replaces the best
+// only when strictly greater, so the first index wins ties (argmax's rule).
+// NaN logits are never chosen.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu/argmax_head_kernel.h"
+#include "cpu/dispatch.h"
+#include "cpu/simd.h"
+
+#ifndef VLLM_METAL_KERNEL_ENTRY
+#error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
+#endif
+
+namespace vllm_metal::cpu {
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVocab = 4;
+constexpr int kGroups = 4;
+#else
+constexpr int kVocab = 2;
+constexpr int kGroups = 2;
+#endif
+constexpr int64_t kChunk = 256;  // vocabulary rows per task
+
+inline void vstore_i(int32_t* p, vi v) { std::memcpy(p, &v, sizeof v); }
+
+// x in every lane, as one broadcast (`vf{} + x` would add 0.0 first: -0.0 + 0.0 is +0.0).
+inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// Vocabulary rows [lo, hi) against groups [g0, g0 + G) of the transposed
+// hidden rows: each lane's best value and index so far, updated in place.
+template <int G>
+void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64_t lo, int64_t hi, int g0,
+                 vf* best, vi* idx) {
+  const float* x0 = ht + static_cast<int64_t>(g0) * kLanes;
+  int64_t v = lo;
+  for (; v + kVocab <= hi; v += kVocab) {
+    vf acc[kVocab][G] = {};
+    const float* rows[kVocab];
+    for (int n = 0; n < kVocab; ++n) {
+      rows[n] = w + (v + n) * dim;
+    }
+    for (int64_t k = 0; k < dim; ++k) {
+      vf x[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        x[g] = vload(x0 + k * ld + g * kLanes);
+      }
+#pragma GCC unroll 4
+      for (int n = 0; n < kVocab; ++n) {
+        const vf b = vsplat(rows[n][k]);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          acc[n][g] += b * x[g];
+        }
+      }
+    }
+    for (int n = 0; n < kVocab; ++n) {
+      const vi id = vi{} + static_cast<int32_t>(v + n);
+      for (int g = 0; g < G; ++g) {
+        const vi m = acc[n][g] > best[g];
+        best[g] = m ? acc[n][g] : best[g];
+        idx[g] = m ? id : idx[g];
+      }
+    }
+  }
+  for (; v < hi; ++v) {  // the chunk's last rows, one at a time
+    vf acc[G] = {};
+    const float* row = w + v * dim;
+    for (int64_t k = 0; k < dim; ++k) {
+      const vf b = vsplat(row[k]);
+      for (int g = 0; g < G; ++g) {
+        acc[g] += b * vload(x0 + k * ld + g * kLanes);
+      }
+    }
+    const vi id = vi{} + static_cast<int32_t>(v);
+    for (int g = 0; g < G; ++g) {
+      const vi m = acc[g] > best[g];
+      best[g] = m ? acc[g] : best[g];
+      idx[g] = m ? id : idx[g];
+    }
+  }
+}
+
+template <int G>
+void chunk_groups(const ArgmaxHeadArgs& a, const float* ht, int64_t ld, int64_t lo, int64_t hi, int g0,
+                  float* best_out, int32_t* idx_out) {
+  vf best[G];
+  vi idx[G];
+  for (int g = 0; g < G; ++g) {
+    best[g] = vf{} - std::numeric_limits<float>::infinity();
+    idx[g] = vi{} + static_cast<int32_t>(lo);
+  }
+  tile_groups<G>(a.weight, ht, ld, a.dim, lo, hi, g0, best, idx);
+  for (int g = 0; g < G; ++g) {
+    vstore(best_out + (g0 + g) * kLanes, best[g]);
+    vstore_i(idx_out + (g0 + g) * kLanes, idx[g]);
+  }
+}
+
+void run(const ArgmaxHeadArgs& a) {
+  const int64_t rows = a.rows, dim = a.dim, vocab = a.vocab;
+  if (rows == 0) {
+    return;
+  }
+  const int groups = static_cast<int>((rows + kLanes - 1) / kLanes);
+  const int64_t ld = static_cast<int64_t>(groups) * kLanes;  // padded rows: the transposed row length
+  std::vector<float> ht(static_cast<size_t>(dim * ld), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.hidden + r * dim;
+    for (int64_t k = 0; k < dim; ++k) {
+      ht[k * ld + r] = src[k];
+    }
+  }
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  std::vector<float> best(static_cast<size_t>(chunks * ld));
+  std::vector<int32_t> idx(static_cast<size_t>(chunks * ld));
+  for_ranges(chunks, 1, [&](int64_t c, int64_t) {
+    const int64_t lo = c * kChunk, hi = std::min(vocab, lo + kChunk);
+    float* bo = best.data() + c * ld;
+    int32_t* io = idx.data() + c * ld;
+    for (int g0 = 0; g0 < groups; g0 += kGroups) {
+      switch (std::min(kGroups, groups - g0)) {
+        case 1:
+          chunk_groups<1>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          break;
+        case 2:
+          chunk_groups<2>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          break;
+#if defined(__AVX512F__)
+        case 3:
+          chunk_groups<3>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          break;
+        default:
+          chunk_groups<4>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          break;
+#endif
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {  // chunks in vocabulary order: the first index wins ties
+    float b = best[r];
+    int32_t i = idx[r];
+    for (int64_t c = 1; c < chunks; ++c) {
+      if (best[c * ld + r] > b) {
+        b = best[c * ld + r];
+        i = idx[c * ld + r];
+      }
+    }
+    a.out[r] = i;
+  }
+}
+
+} // namespace
+
+void VLLM_METAL_KERNEL_ENTRY(const ArgmaxHeadArgs& args) {
+  run(args);
+}
+
+} // namespace vllm_metal::cpu
