@@ -73,6 +73,12 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "'mlx-lm' always mlx-lm's gated_delta_update (its per-token ops on the CPU). "
         "All give the same tokens (tested); for ablation and diagnosis.",
     ),
+    "VLLM_METAL_CPU_ISA": (
+        None,
+        "Caps the instruction set of vllm-metal's CPU kernels: 'avx2' runs the AVX2 builds on an "
+        "AVX-512 host, 'generic' the portable ones (for profiling what an AVX2-only host runs; "
+        "with OPENBLAS_CORETYPE=Haswell numpy's OpenBLAS too). Unset: the best the CPU runs.",
+    ),
     "VLLM_METAL_CPU_THREADS": (
         None,
         "Threads used by the CPU paged-attention, gated-delta and SwiGLU kernels and by the BLAS "

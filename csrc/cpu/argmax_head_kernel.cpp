@@ -1,14 +1,17 @@
 // The CPU greedy-head kernel, compiled once per instruction set: each row's
 // argmax over the vocabulary of hidden @ weight^T without writing the logits.
 //
-// The hidden rows are transposed once per call into [dim][rows padded to 16]
-// so that sixteen rows sit in one vector; the weight is read in place, one
+// The hidden rows are transposed once per call into [dim][rows padded to a
+// vector] so that a vector's worth of rows (kW: 16 on AVX-512, 8 on AVX2, 4
+// otherwise) sits in one register; the weight is read in place, one
 // element broadcast against those vectors, so each vocabulary row's dot
-// products with sixteen hidden rows accumulate lane-wise (one FMA per k, in
-// k order) and the running maximum is a lane-wise compare-and-blend: no
-// horizontal reduction anywhere. A micro-tile is kVocab vocabulary rows x
-// kGroups groups of sixteen hidden rows (AVX-512: 4 x 4 accumulators; the
-// 16-lane vectors take two registers on AVX2, so 2 x 2 there). The
+// products with those rows accumulate lane-wise (one FMA per k, in k order)
+// and the running maximum is a lane-wise compare-and-blend: no horizontal
+// reduction anywhere. A micro-tile is kVocab vocabulary rows x kGroups
+// groups of rows (AVX-512: 4 x 4 accumulators in 32 registers; AVX2: 4 x 2
+// in 16). The vectors are this build's own width, not simd.h's 16 lanes: a
+// 64-byte vector has no register on AVX2, and GCC then keeps every
+// accumulator on the stack (measured: the AVX2 build 12x slower). The
 // vocabulary is split into chunks over the kernels' thread pool; chunk
 // maxima are merged in vocabulary order, and a later index replaces the best
 // only when strictly greater, so the first index wins ties (argmax's rule).
@@ -20,7 +23,6 @@
 
 #include "cpu/argmax_head_kernel.h"
 #include "cpu/dispatch.h"
-#include "cpu/simd.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -31,41 +33,60 @@ namespace vllm_metal::cpu {
 namespace {
 
 #if defined(__AVX512F__)
+constexpr int kW = 16;
 constexpr int kVocab = 4;
 constexpr int kGroups = 4;
+#elif defined(__AVX2__)
+constexpr int kW = 8;
+constexpr int kVocab = 4;
+constexpr int kGroups = 2;
 #else
+constexpr int kW = 4;
 constexpr int kVocab = 2;
 constexpr int kGroups = 2;
 #endif
+using hv = float __attribute__((vector_size(kW * sizeof(float))));
+using hvi = int32_t __attribute__((vector_size(kW * sizeof(int32_t))));
 constexpr int64_t kChunk = 256;  // vocabulary rows per task
 
-inline void vstore_i(int32_t* p, vi v) { std::memcpy(p, &v, sizeof v); }
+inline hv hload(const float* p) {
+  hv v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
-// x in every lane, as one broadcast (`vf{} + x` would add 0.0 first: -0.0 + 0.0 is +0.0).
-inline vf vsplat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline void hstore(float* p, hv v) { std::memcpy(p, &v, sizeof v); }
+
+inline void hstore_i(int32_t* p, hvi v) { std::memcpy(p, &v, sizeof v); }
+
+// x in every lane, as one broadcast: x - 0 is x for every x (-0.0 included,
+// unlike 0 + x), so the compiler drops the subtraction.
+inline hv hsplat(float x) { return x - hv{}; }
+
+inline hvi isplat(int32_t x) { return x - hvi{}; }
 
 // Vocabulary rows [lo, hi) against groups [g0, g0 + G) of the transposed
 // hidden rows: each lane's best value and index so far, updated in place.
 template <int G>
 void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64_t lo, int64_t hi, int g0,
-                 vf* best, vi* idx) {
-  const float* x0 = ht + static_cast<int64_t>(g0) * kLanes;
+                 hv* best, hvi* idx) {
+  const float* x0 = ht + static_cast<int64_t>(g0) * kW;
   int64_t v = lo;
   for (; v + kVocab <= hi; v += kVocab) {
-    vf acc[kVocab][G] = {};
+    hv acc[kVocab][G] = {};
     const float* rows[kVocab];
     for (int n = 0; n < kVocab; ++n) {
       rows[n] = w + (v + n) * dim;
     }
     for (int64_t k = 0; k < dim; ++k) {
-      vf x[G];
+      hv x[G];
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
-        x[g] = vload(x0 + k * ld + g * kLanes);
+        x[g] = hload(x0 + k * ld + g * kW);
       }
 #pragma GCC unroll 4
       for (int n = 0; n < kVocab; ++n) {
-        const vf b = vsplat(rows[n][k]);
+        const hv b = hsplat(rows[n][k]);
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) {
           acc[n][g] += b * x[g];
@@ -73,26 +94,26 @@ void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64
       }
     }
     for (int n = 0; n < kVocab; ++n) {
-      const vi id = vi{} + static_cast<int32_t>(v + n);
+      const hvi id = isplat(static_cast<int32_t>(v + n));
       for (int g = 0; g < G; ++g) {
-        const vi m = acc[n][g] > best[g];
+        const hvi m = acc[n][g] > best[g];
         best[g] = m ? acc[n][g] : best[g];
         idx[g] = m ? id : idx[g];
       }
     }
   }
   for (; v < hi; ++v) {  // the chunk's last rows, one at a time
-    vf acc[G] = {};
+    hv acc[G] = {};
     const float* row = w + v * dim;
     for (int64_t k = 0; k < dim; ++k) {
-      const vf b = vsplat(row[k]);
+      const hv b = hsplat(row[k]);
       for (int g = 0; g < G; ++g) {
-        acc[g] += b * vload(x0 + k * ld + g * kLanes);
+        acc[g] += b * hload(x0 + k * ld + g * kW);
       }
     }
-    const vi id = vi{} + static_cast<int32_t>(v);
+    const hvi id = isplat(static_cast<int32_t>(v));
     for (int g = 0; g < G; ++g) {
-      const vi m = acc[g] > best[g];
+      const hvi m = acc[g] > best[g];
       best[g] = m ? acc[g] : best[g];
       idx[g] = m ? id : idx[g];
     }
@@ -102,16 +123,16 @@ void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64
 template <int G>
 void chunk_groups(const ArgmaxHeadArgs& a, const float* ht, int64_t ld, int64_t lo, int64_t hi, int g0,
                   float* best_out, int32_t* idx_out) {
-  vf best[G];
-  vi idx[G];
+  hv best[G];
+  hvi idx[G];
   for (int g = 0; g < G; ++g) {
-    best[g] = vf{} - std::numeric_limits<float>::infinity();
-    idx[g] = vi{} + static_cast<int32_t>(lo);
+    best[g] = hsplat(-std::numeric_limits<float>::infinity());
+    idx[g] = isplat(static_cast<int32_t>(lo));
   }
   tile_groups<G>(a.weight, ht, ld, a.dim, lo, hi, g0, best, idx);
   for (int g = 0; g < G; ++g) {
-    vstore(best_out + (g0 + g) * kLanes, best[g]);
-    vstore_i(idx_out + (g0 + g) * kLanes, idx[g]);
+    hstore(best_out + (g0 + g) * kW, best[g]);
+    hstore_i(idx_out + (g0 + g) * kW, idx[g]);
   }
 }
 
@@ -120,8 +141,8 @@ void run(const ArgmaxHeadArgs& a) {
   if (rows == 0) {
     return;
   }
-  const int groups = static_cast<int>((rows + kLanes - 1) / kLanes);
-  const int64_t ld = static_cast<int64_t>(groups) * kLanes;  // padded rows: the transposed row length
+  const int groups = static_cast<int>((rows + kW - 1) / kW);
+  const int64_t ld = static_cast<int64_t>(groups) * kW;  // padded rows: the transposed row length
   std::vector<float> ht(static_cast<size_t>(dim * ld), 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = a.hidden + r * dim;
@@ -144,7 +165,7 @@ void run(const ArgmaxHeadArgs& a) {
         case 2:
           chunk_groups<2>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
         case 3:
           chunk_groups<3>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;

@@ -4,10 +4,16 @@
 // uses its generic build).
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
+
 namespace vllm_metal::cpu {
 
 enum class Isa { generic, avx2, avx512 };  // avx2: + FMA + F16C; avx512: F/VL/BW/DQ + avx2
 
+// The best the CPU runs, capped by VLLM_METAL_CPU_ISA ("generic", "avx2" or
+// "avx512"; read once): an AVX-512 host then profiles the AVX2 builds an
+// AVX2-only host runs. A cap above what the CPU has changes nothing.
 inline Isa best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const Isa isa = [] {
@@ -16,7 +22,15 @@ inline Isa best_isa() {
         __builtin_cpu_supports("f16c");
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    return avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+    Isa best = avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+    if (const char* cap = std::getenv("VLLM_METAL_CPU_ISA")) {
+      if (std::strcmp(cap, "generic") == 0) {
+        best = Isa::generic;
+      } else if (std::strcmp(cap, "avx2") == 0 && best == Isa::avx512) {
+        best = Isa::avx2;
+      }
+    }
+    return best;
   }();
   return isa;
 #else
