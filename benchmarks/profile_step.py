@@ -60,7 +60,8 @@ The evaluation by op class is ESTIMATED, each class timed alone (median of
   and sinks; one `mx.eval` for all layers. Cache writes (`ops.write_kv`) are
   not in it;
 - logits: the decoder's final norm over the step's tokens plus the model's
-  own output head (`LoadedModel.logits`) on the sampled rows;
+  own output head (`LoadedModel.logits`) on the sampled rows -- for a greedy
+  step the head as it ran, `LoadedModel.greedy_tokens` (ArgmaxHead);
 - rest = eval - matmul - attention - logits: element-wise ops, norms, RoPE,
   residual adds, cache writes, embedding and gathers. It is a remainder, so
   the classes sum to eval by construction; a negative rest means the

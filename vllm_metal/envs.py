@@ -152,6 +152,18 @@ def cpu_auto_switch(name: str, device: str) -> bool:
     raise ValueError(f"{name}={choice!r}: use 'auto', '1' or '0'")
 
 
+CPU_ISAS = ("generic", "avx2", "avx512")
+
+
+def cpu_isa_cap() -> str | None:
+    """VLLM_METAL_CPU_ISA, checked (the kernels read it themselves, once, in
+    csrc/cpu/isa.h); a value they do not know is refused, not ignored."""
+    value = (get("VLLM_METAL_CPU_ISA") or "").strip()
+    if value and value not in CPU_ISAS:
+        raise ValueError(f"VLLM_METAL_CPU_ISA={value!r}: use one of {', '.join(CPU_ISAS)} (or leave it unset)")
+    return value or None
+
+
 def environment_variables() -> dict[str, Callable[[], str | None]]:
     """In vLLM's own `environment_variables` shape: name -> getter."""
     return {name: (lambda n=name: get(n)) for name in ENV_VARS}

@@ -165,7 +165,7 @@ void run(const ArgmaxHeadArgs& a) {
         case 2:
           chunk_groups<2>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)  // kGroups 4: the only build with three or four groups a pass
         case 3:
           chunk_groups<3>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;

@@ -18,14 +18,9 @@ from vllm_metal.models.loader import load_model
 CASES = {"llama": True, "mistral": True, "gemma2": False, "cohere": False}
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(model_dir):
-    return model_dir
-
-
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_greedy_tokens_are_the_argmax_of_the_familys_logits(tmp_path, tokenizer_dir, family):
-    loaded = load_model(build(family, tmp_path / family, tokenizer_dir), dtype="float32", dequantize=True)
+def test_greedy_tokens_are_the_argmax_of_the_familys_logits(tmp_path, model_dir, family):
+    loaded = load_model(build(family, tmp_path / family, model_dir), dtype="float32", dequantize=True)
     w = loaded.greedy_head()
     assert (w is not None) is CASES[family], family
     rng = np.random.default_rng(0)
@@ -36,8 +31,8 @@ def test_greedy_tokens_are_the_argmax_of_the_familys_logits(tmp_path, tokenizer_
         np.testing.assert_array_equal(np.array(loaded.greedy_tokens(hidden, fused_head=False)), want)
 
 
-def test_a_quantized_head_is_not_plain(tmp_path, tokenizer_dir):
-    loaded = load_model(build("llama", tmp_path / "q", tokenizer_dir, bits=4), dtype="float32", dequantize=False)
+def test_a_quantized_head_is_not_plain(tmp_path, model_dir):
+    loaded = load_model(build("llama", tmp_path / "q", model_dir, bits=4), dtype="float32", dequantize=False)
     assert loaded.quantized and loaded.greedy_head() is None
     hidden = mx.array(np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32))
     want = np.argmax(np.array(loaded.logits(hidden), np.float64), axis=1)

@@ -149,3 +149,14 @@ def test_every_isa_build_gives_the_same_tokens():
         variant, tokens = _tokens_under(isa)
         assert tokens == want, isa
         assert variant == (isa if best in ("avx2", "avx512") or isa == "generic" else best)
+
+
+def test_an_unknown_isa_cap_is_refused():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_METAL_CPU_ISA": "avx9000"}
+    out = subprocess.run([sys.executable, "-c", "import vllm_metal.native.ops"], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "VLLM_METAL_CPU_ISA='avx9000'" in out.stderr

@@ -207,6 +207,8 @@ class MetalModelRunner:
         except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
                                f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
+        if self.sample_in_graph and logits is not None:
+            self.mlx_model.greedy_head()  # its one-time probe at start-up, not in the first greedy step
         if logits is not None and not np.isfinite(np.array(logits, copy=False)).all():
             raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: the warm-up step gave "
                                "non-finite logits")
@@ -324,8 +326,8 @@ class MetalModelRunner:
         if plan.fed_at:
             inputs.token_ids_mx = step_rows.token_ids(inputs.token_ids, plan.fed_at, plan.fed_from, prev.tokens_mx)
             self.tokens_fed += len(plan.fed_at)
-        else:
-            prev = None
+        # Even with no row reading them, `prev` stays this step's predecessor: its evaluation
+        # is waited for before this one starts (the caches' buffers) and it finishes first.
         if self.multimodal is not None:  # the step's images: encoded, scattered, positioned (multimodal/step.py)
             self.multimodal.encode(so, self.batch.requests)
             self.multimodal.prepare(states, rows, inputs, self.mlx_model.embed_tokens)

@@ -16,6 +16,7 @@ fast_blas.warn_if_too_late()
 
 from vllm_metal.native.extension import load_extension  # noqa: E402
 
+envs.cpu_isa_cap()  # a VLLM_METAL_CPU_ISA the kernels would not understand is refused before they run
 _ext = load_extension()
 
 import mlx.core as mx  # noqa: E402
