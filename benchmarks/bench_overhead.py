@@ -43,8 +43,7 @@ PHASES = ("schedule", "execute_model", "sample_tokens", "update_from_output", "p
 
 
 def isa() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags else platform.machine()
+    return bench_serving.isa()
 
 
 def phases(system: str, model: str, concurrency: int, out: Path) -> dict:

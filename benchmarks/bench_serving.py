@@ -337,14 +337,36 @@ def versions() -> dict:
 
 
 def isa() -> str:
+    """The instruction set vllm-metal's CPU kernels run here (their build, after any
+    VLLM_METAL_CPU_ISA cap), labelled with the host's own where a cap lowers it:
+    "avx512", "avx2", or "avx2 builds on an avx512 host"."""
+    k = kernel_isa()
+    if k.get("isa") and k["isa"] != k.get("host_isa"):
+        return f"{k['isa']} builds on an {k['host_isa']} host"
+    return k.get("isa") or host_isa()
+
+
+def host_isa() -> str:
     flags = set(roofline_mod.cpu_flags())
     return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
+
+
+def kernel_isa() -> dict:
+    """`ops.cpu_kernels()` as the servers started from this process see it (same
+    environment), plus OpenBLAS's kernel choice if forced; {} where it cannot load."""
+    probe = subprocess.run([sys.executable, "-c", "import json; from vllm_metal.native import ops; "
+                            "print(json.dumps(ops.cpu_kernels()))"], capture_output=True, text=True)
+    out = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {}
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        out["openblas_coretype"] = os.environ["OPENBLAS_CORETYPE"]
+    return out
 
 
 def run_meta(script: str, argv: list[str], started: dt.datetime) -> dict:
     """What every benchmark's raw JSON says about its run: when, on what CPU, from which
     commit, with which versions, the command, how long it took."""
     return {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(), "isa": isa(),
+            "cpu_kernels": kernel_isa(),
             "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": plugin_revision(),
             "versions": versions(), "command": shlex.join([script, *argv]),
             "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()}

@@ -134,6 +134,9 @@ NB_MODULE(_ext, m) {
 
   m.def("cpu_attention_variant", &vllm_metal::cpu_attention_variant,
         "The CPU paged-attention kernel variant this machine runs: avx512, avx2 or generic.");
+  m.def("cpu_host_isa", &vllm_metal::cpu_host_isa,
+        "The best instruction set of the CPU kernels' builds this CPU runs, before any "
+        "VLLM_METAL_CPU_ISA cap: avx512, avx2 or generic.");
 
   m.def("set_cpu_tile_override", &vllm_metal::set_cpu_prefill_rows_override, "prefill_rows"_a,
         "Benchmark hook: rows per tile for prefill-class sequences in the CPU kernel "

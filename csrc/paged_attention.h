@@ -122,6 +122,9 @@ class PagedAttention : public mx::UnaryPrimitive {
 // chosen once from the instruction sets it supports.
 std::string cpu_attention_variant();
 
+// The best instruction set of those builds the CPU runs, uncapped.
+std::string cpu_host_isa();
+
 // Benchmark hook: rows per tile for prefill-class sequences on the CPU (0:
 // the table in cpu/paged_attention_tiles.h). Never set while serving.
 void set_cpu_prefill_rows_override(int rows);

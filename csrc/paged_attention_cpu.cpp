@@ -102,6 +102,10 @@ std::string cpu_attention_variant() {
   return cpu::isa_name(cpu::best_isa());
 }
 
+std::string cpu_host_isa() {
+  return cpu::isa_name(cpu::host_isa());
+}
+
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& q = inputs[0];
   const auto& kc = inputs[1];

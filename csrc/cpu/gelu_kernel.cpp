@@ -27,9 +27,9 @@ namespace {
 constexpr int64_t kChunk = 16384;  // elements per task
 
 inline vf verf(vf a) {
-  const vf lo = vf{} - 4.0f, hi = vf{} + 4.0f;
-  vf x = a < lo ? lo : a;
-  x = x > hi ? hi : x;
+  const vf lo = splat(-4.0f), hi = splat(4.0f);
+  vf x = select(a < lo, lo, a);  // NaN stays NaN
+  x = select(x > hi, hi, x);
   const vf x2 = x * x;
   vf p = x2 * -2.72614225801306e-10f + 2.77068142495902e-08f;
   p = x2 * p + -2.10102402082508e-06f;

@@ -11,10 +11,8 @@ namespace vllm_metal::cpu {
 
 enum class Isa { generic, avx2, avx512 };  // avx2: + FMA + F16C; avx512: F/VL/BW/DQ + avx2
 
-// The best the CPU runs, capped by VLLM_METAL_CPU_ISA ("generic", "avx2" or
-// "avx512"; read once): an AVX-512 host then profiles the AVX2 builds an
-// AVX2-only host runs. A cap above what the CPU has changes nothing.
-inline Isa best_isa() {
+// The best of them the CPU runs (detected once).
+inline Isa host_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const Isa isa = [] {
     __builtin_cpu_init();
@@ -22,7 +20,20 @@ inline Isa best_isa() {
         __builtin_cpu_supports("f16c");
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    Isa best = avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+    return avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+  }();
+  return isa;
+#else
+  return Isa::generic;
+#endif
+}
+
+// What the kernels run: host_isa() capped by VLLM_METAL_CPU_ISA ("generic",
+// "avx2" or "avx512"; read once): an AVX-512 host then profiles the AVX2
+// builds an AVX2-only host runs. A cap above what the CPU has changes nothing.
+inline Isa best_isa() {
+  static const Isa isa = [] {
+    Isa best = host_isa();
     if (const char* cap = std::getenv("VLLM_METAL_CPU_ISA")) {
       if (std::strcmp(cap, "generic") == 0) {
         best = Isa::generic;
@@ -33,9 +44,6 @@ inline Isa best_isa() {
     return best;
   }();
   return isa;
-#else
-  return Isa::generic;
-#endif
 }
 
 // The build of a kernel for this CPU, among its generic, AVX2 and AVX-512

@@ -30,28 +30,6 @@ constexpr int kMaxRowBlock = 8;
 constexpr int kMaxRowBlock = 4;
 #endif
 
-// Lane reductions by halving (the same tree in every build: the AVX2 and
-// AVX-512 kernels give the same bits).
-inline float hmax(vf v) {
-  using vh = float __attribute__((vector_size(32)));
-  using vq = float __attribute__((vector_size(16)));
-  vh a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vh b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  a = a > b ? a : b;
-  vq c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  c = c > d ? c : d;
-  return std::max(std::max(c[0], c[1]), std::max(c[2], c[3]));
-}
-
-inline float hsum(vf v) {
-  using vh = float __attribute__((vector_size(32)));
-  using vq = float __attribute__((vector_size(16)));
-  vh a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vq c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
 // scores[r][0 : ng * 16] = q[r] . keys, for RB rows; kt is head_dim x kp.
 template <int RB>
 inline void score_rows(const float* q, int D, const float* kt, int kp, int ng, float* scores) {

@@ -44,23 +44,25 @@ inline void merge_into(RowState& s1, float* acc1, RowState s2, const float* acc2
 // (dvp floats) is rescaled to the new max; the caller adds the values.
 inline void online_softmax_step(float* s, int ng, int lo, int hi, float scale, float softcap, RowState& st,
                                 float* acc, int dvp) {
-  const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vf neg_inf = vf{} + kNegInf;
+  const vf lanes = iota();
+  const vf neg_inf = splat(kNegInf);
   const bool whole = lo == 0 && hi == ng * kLanes;  // no key of the groups masked
-  vf vmax = neg_inf;
+  vf vm = neg_inf;
   for (int g = 0; g < ng; ++g) {
     vf x = vload(s + g * kLanes) * scale;
     if (softcap > 0.0f) {
-      for (int j = 0; j < kLanes; ++j) x[j] = softcap * std::tanh(x[j] / softcap);
+      float l[kLanes];
+      for (int j = 0; j < kLanes; ++j) l[j] = softcap * std::tanh(lane(x, j) / softcap);
+      x = vload(l);
     }
     if (!whole) {
-      const vf idx = lane + static_cast<float>(g * kLanes);
-      x = (idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)) ? x : neg_inf;
+      const vf idx = lanes + static_cast<float>(g * kLanes);
+      x = select((idx >= static_cast<float>(lo)) & (idx < static_cast<float>(hi)), x, neg_inf);
     }
     vstore(s + g * kLanes, x);
-    vmax = vmax > x ? vmax : x;
+    vm = vmax(vm, x);
   }
-  const float m = std::max(st.m, hmax(vmax));
+  const float m = std::max(st.m, hmax(vm));
   const float a = std::exp(st.m - m);
   if (a != 1.0f) {
     for (int c = 0; c < dvp; c += kLanes) vstore(acc + c, vload(acc + c) * a);
@@ -69,7 +71,7 @@ inline void online_softmax_step(float* s, int ng, int lo, int hi, float scale, f
   for (int g = 0; g < ng; ++g) {
     const vf x = vload(s + g * kLanes);
     vf e = vexp(x - m);
-    if (!whole) e = x == neg_inf ? vf{} : e;
+    if (!whole) e = select(x == neg_inf, vf{}, e);
     vstore(s + g * kLanes, e);
     vsum += e;
   }

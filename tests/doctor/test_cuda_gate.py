@@ -42,6 +42,19 @@ def test_doctor_json_on_this_machine():
         p["key"] for p in report["cuda_paths"] if p["status"] == "refused"}
 
 
+def test_doctor_reports_the_cpu_kernels_isa():
+    """The instruction set the CPU kernels run (and the host's, and a cap) is in
+    the report: /proc/cpuinfo decides what the host has."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    host = "avx512" if "avx512f" in flags and "avx512bw" in flags else "avx2" if "avx2" in flags else "generic"
+    _, report = doctor_json(env={"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_CPU_ISA": ""})
+    assert report["cpu_kernels"] == {"isa": host, "host_isa": host, "cap": None}
+    out = subprocess.run([sys.executable, "-m", "vllm_metal", "doctor"], capture_output=True, text=True,
+                         env=dict(os.environ, VLLM_METAL_DEVICE="cpu", VLLM_METAL_CPU_ISA="generic"), timeout=120)
+    assert f"cpu kernels generic builds (host {host}" in out.stdout
+    assert (", capped by VLLM_METAL_CPU_ISA=generic)" in out.stdout) == (host != "generic")
+
+
 def test_doctor_text_and_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "vllm_metal", "doctor"], capture_output=True, text=True,
                          env=dict(os.environ, VLLM_METAL_DEVICE="cpu"), timeout=120)

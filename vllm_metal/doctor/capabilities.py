@@ -103,6 +103,7 @@ def capabilities() -> dict:
             problems.append("VLLM_METAL_DEVICE=gpu but MLX has no Metal device here")
         name, reason = ops.attention_path(mx.gpu if device == "gpu" and metal else mx.cpu)
         report["attention_path"] = {"name": name, "reason": reason}
+        report["cpu_kernels"] = ops.cpu_kernels()
         report["kv_cache"] = _kv_budget(device)
         report["hybrid_state_writeback"] = _state_writeback(problems)
         report["gated_delta_path"] = _gated_delta_path(mx.gpu if device == "gpu" and metal else mx.cpu, problems)
@@ -158,6 +159,12 @@ def _kv_budget(device: str) -> dict:
             "note": "vllm serve subtracts the model's weights; --kv-cache-memory-bytes sets it exactly"}
 
 
+def cpu_kernels_line(k: dict) -> str:
+    """"avx2 builds (host avx512, capped by VLLM_METAL_CPU_ISA=avx2)"."""
+    why = f", capped by VLLM_METAL_CPU_ISA={k['cap']}" if k["cap"] and k["isa"] != k["host_isa"] else ""
+    return f"{k['isa']} builds (host {k['host_isa']}{why})"
+
+
 def short_report(device: str) -> str:
     """The one line the worker logs at engine start."""
     from vllm_metal.native import fast_blas, ops
@@ -168,6 +175,7 @@ def short_report(device: str) -> str:
     name, reason = ops.attention_path(mx.gpu if device == "gpu" else mx.cpu)
     blas = fast_blas.summary()
     return (f"MLX {installed_mlx()} on {device}; attention: {name} ({reason}); "
+            f"CPU kernels: {cpu_kernels_line(ops.cpu_kernels())}; "
             f"Metal kernels {'compiled' if ops._ext.HAS_METAL else 'not compiled'}; "
             f"BLAS: {blas}; {sum(p.on_request == 'warn' for p in CUDA_PATHS)} CUDA-only paths inert, "
             f"{sum(p.on_request == 'error' for p in CUDA_PATHS)} refused if asked for "

@@ -28,6 +28,10 @@ def format_report(r: dict) -> str:
                  f"Metal kernels {'compiled' if e['metal_kernels'] else 'not compiled'}"
                  + ("" if e["loaded"] else " (not loadable)"))
     lines.append(f"attention   {a['name']}: {a['reason']}")
+    if "cpu_kernels" in r:
+        from vllm_metal.doctor.capabilities import cpu_kernels_line
+
+        lines.append(f"cpu kernels {cpu_kernels_line(r['cpu_kernels'])}")
     if "kv_cache" in r:
         kv = r["kv_cache"]
         lines.append(f"kv cache    {_gib(kv['budget_bytes_before_weights'])} at --gpu-memory-utilization "

@@ -187,6 +187,14 @@ GATED_DELTA_KEY_DIMS = (32, 64, 128, 256)  # what the primitive supports (csrc/g
 GATED_DELTA_MAX_VALUE_DIM = 256
 
 
+def cpu_kernels() -> dict:
+    """The instruction set of the CPU kernels' builds in use ("avx512", "avx2" or
+    "generic"), the best this CPU runs, and the VLLM_METAL_CPU_ISA cap if any:
+    what `vllm-metal doctor`, the worker's start line and every benchmark record."""
+    return {"isa": _ext.cpu_attention_variant(), "host_isa": _ext.cpu_host_isa(),
+            "cap": envs.cpu_isa_cap()}
+
+
 def gated_delta_path(stream=None) -> tuple[str, str]:
     """Which implementation Gated DeltaNet layers use on `stream`: (name,
     reason); name is "fused" (this package's primitive) or "mlx-lm" (mlx-lm's

@@ -44,10 +44,10 @@ import numpy as np  # noqa: E402
 
 from vllm_metal.native.elementwise import (  # noqa: E402,F401  (re-exported: ops.swiglu etc.)
     ARGMAX_HEAD_MIN_ROWS, GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array,
-    _device_of, argmax_head, gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope, rope_composed,
-    swiglu)
+    _device_of, argmax_head, cpu_kernels, gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope,
+    rope_composed, swiglu)
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path",
+__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path", "cpu_kernels",
            "gated_delta", "gated_delta_path", "swiglu", "argmax_head", "gelu", "layer_norm", "rms_norm", "rope",
            "SlotMapping"]
 
