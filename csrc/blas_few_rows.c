@@ -10,6 +10,8 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -43,9 +45,55 @@ static inline void store_out(const FewRowsJob* j, i64 m, i64 n, float dot) {
  * time (8 accumulators in registers), then single rows; K's tail (K % 8)
  * in scalars. */
 #define DOT_TAIL(d, a, w) for (i64 k = K8; k < K; ++k) d += (a)[k] * (w)[k]
+
+/* One row of A (decode at batch 1) on AVX-512: eight W rows at a time, each
+ * its own FMA chain of 16-lane partial sums (K's tail through a masked load).
+ * Bound by reading W: eight sequential streams, which the hardware
+ * prefetchers follow (software prefetch 4-32 lines ahead measured no better;
+ * docs/benchmarks.md#blas-shim). Returns the first column it did not do. */
+__attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static i64 one_row_avx512(const FewRowsJob* j, i64 n0,
+                                                                                   i64 n1) {
+  const i64 K = j->K, K16 = K & ~(i64)15;
+  const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1u);
+  const float* a = j->A;
+  i64 n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    const float* w = j->B + n * j->ldb;
+    const i64 ld = j->ldb;
+    __m512 c[8];
+    for (int r = 0; r < 8; ++r) c[r] = _mm512_setzero_ps();
+    for (i64 k = 0; k < K16; k += 16) {
+      const __m512 v = _mm512_loadu_ps(a + k);
+      for (int r = 0; r < 8; ++r) {
+        c[r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(w + r * ld + k), c[r]);
+      }
+    }
+    if (tail) {
+      const __m512 v = _mm512_maskz_loadu_ps(tail, a + K16);
+      for (int r = 0; r < 8; ++r) c[r] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(tail, w + r * ld + K16), c[r]);
+    }
+    for (int r = 0; r < 8; ++r) store_out(j, 0, n + r, _mm512_reduce_add_ps(c[r]));
+  }
+  return n;
+}
+
+static int avx512_allowed(void) {
+  static int cached = -1;
+  if (cached < 0) {
+    __builtin_cpu_init();
+    /* VLLM_METAL_CPU_ISA caps every CPU kernel of vllm-metal (csrc/cpu/isa.h). */
+    const char* cap = getenv("VLLM_METAL_CPU_ISA");
+    const int capped = cap && (strcmp(cap, "avx2") == 0 || strcmp(cap, "generic") == 0);
+    cached = !capped && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  }
+  return cached;
+}
+
 __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob* j, i64 n0, i64 n1) {
   const i64 K = j->K, K8 = K & ~(i64)7, M4 = j->M & ~(i64)3;
   i64 n = n0;
+  if (j->M == 1 && avx512_allowed()) n = one_row_avx512(j, n0, n1);
   if (j->M == 1) {
     /* One row (decode at batch 1): four W rows at a time, four independent
      * FMA chains; each output's sums are the same as below. */
@@ -282,7 +330,10 @@ int few_rows_cpu_supported(void) {
   static int cached = -1;
   if (cached < 0) {
     __builtin_cpu_init();
-    cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    /* VLLM_METAL_CPU_ISA=generic: vllm-metal's portable code only (csrc/cpu/isa.h). */
+    const char* cap = getenv("VLLM_METAL_CPU_ISA");
+    cached = !(cap && strcmp(cap, "generic") == 0) && __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("fma");
   }
   return cached;
 #else
@@ -305,8 +356,12 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
    * step's 576 x 576 product took 0.031 ms there and 0.11 ms on two threads
    * (the wake-up and the join cost more than half the product); from about
    * 1M (576 x 1536) the two are even, and the pool wins from there (48k x 576:
-   * 4.8 against 9.5 ms). Measured in docs/benchmarks.md. */
-  const int use_pool = workers > 1 && M * N * K >= (1 << 20);
+   * 4.8 against 9.5 ms). Those were timed with W in cache. One or two rows
+   * are bound by reading W, which in a model's decode step comes from memory
+   * (the layers' weights outgrow the caches): from 256 KiB of W the pool's
+   * second stream wins (a 30-layer chain of SmolLM2's batch-1 products, 4
+   * per layer, 2.2-7 MB each: 28.5 -> 22.1 ms; docs/benchmarks.md#blas-shim). */
+  const int use_pool = workers > 1 && (M * N * K >= (1 << 20) || (M <= 2 && N * K * 4 >= (256 << 10)));
   if (use_pool) {
     pool_job = job;
     pool_pending = workers - 1;

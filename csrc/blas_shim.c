@@ -27,9 +27,9 @@
  * then D^T written to C. The same products, in another order of OpenBLAS's
  * kernels: results agree with the direct call to rounding.
  *
- * Few-row products with a row-major weight, few_rows_min (3) to few_rows_max
- * (8) rows (checked before the sgemv path above, so with few_rows_min 1 the
- * 1-2-row products of that layout run here too; other layouts never do):
+ * Few-row products with a row-major weight, few_rows_min (1) to few_rows_max
+ * (8) rows (checked before the sgemv path above, so the 1-2-row products of
+ * that layout run here; other layouts never do):
  * C[M,N] = A[M,K] W[N,K]^T, which is how MLX calls x @ w.T (A not
  * transposed, B transposed with its rows contiguous). Both orders of
  * OpenBLAS's sgemm pack W before multiplying and stream it at 3-15 GB/s, a
@@ -39,12 +39,13 @@
  * (which stay in cache), the columns split over a small pool of threads
  * (one per core, the caller included; set_threads). Each output is one dot
  * product of 8-lane partial sums in a fixed order, so it does not depend on
- * the threads or on the other rows of the call. One and two rows stay on
- * OpenBLAS's sgemv by default: on a quiet machine it is ~2x faster than this
- * AVX2 kernel at one row (its AVX-512 kernels prefetch), but its spinning
- * threads collapse (10x slower decode steps, measured in docs/benchmarks.md)
- * when another process wants a core; few_rows_min 1 trades the first for the
- * second.
+ * the threads or on the other rows of the call. One row has an AVX-512
+ * path of its own, and one or two rows use both threads from 256 KiB of W:
+ * with W streamed from memory, as in a model's decode step, that beats
+ * OpenBLAS's sgemv (a 30-layer chain of batch-1 products: 22-23 against
+ * 24-26 ms), and it never collapses when another process wants a core, as
+ * OpenBLAS's spinning threads do (10x slower decode steps; both measured in
+ * docs/benchmarks.md#blas-shim). few_rows_min 3 sends them back to sgemv.
  */
 #include <dlfcn.h>
 #include <stdatomic.h>
@@ -74,7 +75,7 @@ static cgemm64_fn p_cgemm;
 static sgemv64_fn p_sgemv;
 static char target_name[64];
 static atomic_int gemv_max_rows = 2;
-static atomic_int few_rows_min = 3;
+static atomic_int few_rows_min = 1;
 static atomic_int transpose_max_rows = 32;
 enum { TRANSPOSE_MIN_COLS = 64 };
 static atomic_int few_rows_max = 8;

@@ -66,3 +66,30 @@ def test_cpu_snapshot_reads_this_session():
     busy, session, own = bs.cpu_snapshot(os.getsid(0))
     assert busy > 0 and own > 0
     assert session > 0  # this test process is in its own session's process list
+
+
+def test_cap_isa_makes_every_system_run_its_avx2_code(tmp_path, monkeypatch):
+    """--cap-isa avx2 (an AVX2-only host, on an AVX-512 one): each system's environment
+    names its AVX2 code, and vLLM CPU's sitecustomize answers torch's AVX-512 questions no."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(bs, "BENCH_HOME", tmp_path)
+    envs = {s: bs.server_command(s, "/m", 1234, 1 << 30, preload=False, cap="avx2")[1] for s in bs.SYSTEMS}
+    assert envs["vllm-metal"] == {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_CPU_ISA": "avx2",
+                                  "OPENBLAS_CORETYPE": "Haswell"}
+    assert envs["vllm-metal-sync"]["VLLM_METAL_CPU_ISA"] == "avx2"
+    assert envs["mlx-lm"] == {"OPENBLAS_CORETYPE": "Haswell"}
+    cpu = envs["vllm-cpu"]
+    assert cpu["ATEN_CPU_CAPABILITY"] == "avx2" and cpu["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    probe = subprocess.run([sys.executable, "-c", "import torch.cpu; print(torch.cpu._is_avx512_supported(), "
+                            "torch.cpu._is_avx512_bf16_supported())"], capture_output=True, text=True,
+                           env=bs.clean_env({"PYTHONPATH": cpu["PYTHONPATH"]}), check=True)
+    assert probe.stdout.split() == ["False", "False"]
+    assert bs.server_command("vllm-metal", "/m", 1, 1, preload=False)[1] == {"VLLM_METAL_DEVICE": "cpu"}
+
+
+def test_kernel_isa_reports_the_cap():
+    got = bs.kernel_isa({"VLLM_METAL_CPU_ISA": "generic", "OPENBLAS_CORETYPE": "Haswell"})
+    assert got["isa"] == "generic" and got["cap"] == "generic" and got["openblas_coretype"] == "Haswell"
+    assert got["host_isa"] in ("generic", "avx2", "avx512")

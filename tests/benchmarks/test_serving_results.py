@@ -108,12 +108,17 @@ def test_update_docs_replaces_only_the_generated_block():
     assert sr.update_docs(new, "new table\n") == new  # idempotent
     with pytest.raises(ValueError):
         sr.update_docs("# no markers\n", "x")
+    # A --cap-isa run has a block of its own; the main one stays.
+    begin, end = sr.docs_markers("avx2")
+    both = new + f"{begin}\nold avx2\n{end}\n"
+    assert sr.update_docs(both, "avx2 table\n", "avx2") == new + f"{begin}\navx2 table\n{end}\n"
 
 
 def test_docs_page_carries_the_markers():
     doc = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
     text = doc.read_text()
     assert sr.DOCS_BEGIN in text and sr.DOCS_END in text
+    assert all(m in text for m in sr.docs_markers("avx2"))
     assert "## Primitive micro-benchmark" in text
 
 

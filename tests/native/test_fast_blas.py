@@ -47,15 +47,16 @@ def test_shim_is_bound():
     assert "shim" in fast_blas.status[1] and fast_blas.SHIM_NAME in fast_blas.summary()
     maps = open("/proc/self/maps").read()
     assert shim in maps and fast_blas.libraries["gemm"] in maps
-    # MLX's own matmuls arrive in the shim: one row as sgemv, four rows times
-    # a weight through the few-row kernel (where the CPU has it), 40 as sgemm.
+    # MLX's own matmuls arrive in the shim: one and four rows times a row-major
+    # weight through the few-row kernel (where the CPU has it, else sgemv and
+    # sgemm), one row times another layout as sgemv, 40 rows as sgemm.
     before = fast_blas.shim_calls()
     w = mx.ones((32, 16))
-    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T)
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T, mx.ones((1, 16)) @ mx.ones((16, 32)))
     after = fast_blas.shim_calls()
-    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1
     few = int(fast_blas.few_rows_supported())
-    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + few
+    assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + 2 * few
+    assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1 + (1 - few)
     assert after["sgemm"] == before["sgemm"] + 2 - few
 
 

@@ -1,7 +1,8 @@
 """Every instruction-set build of the 16-lane CPU kernels computes the same thing.
 
 The kernels built on csrc/cpu/simd.h (paged attention, RMSNorm / LayerNorm,
-SwiGLU, GELU) are compiled once per instruction set and picked at run time;
+SwiGLU, GELU; and the BLAS shim's one-row product) are compiled once per
+instruction set and picked at run time;
 VLLM_METAL_CPU_ISA caps the pick, so an AVX-512 host also runs what an
 AVX2-only host runs. Each build, run in a subprocess of its own, is checked
 against float64 numpy, and the AVX2 and AVX-512 builds against each other to
@@ -52,6 +53,8 @@ u = rng.standard_normal((3, 1541)).astype(np.float32)
 out["swiglu"] = np.array(ops.swiglu(mx.array(g), mx.array(u)))
 out["gelu"] = np.array(ops.gelu(mx.array(g)))
 out["gelu_tanh"] = np.array(ops.gelu(mx.array(g), approximate=True))
+wm = rng.standard_normal((1031, 579)).astype(np.float32)
+out["matmul_1row"] = np.array(mx.array(x[:1]) @ mx.array(wm).T)  # the BLAS shim's one-row kernel
 np.savez(sys.argv[1], **out)
 print(json.dumps(ops._ext.cpu_attention_variant()))
 """
@@ -96,6 +99,8 @@ def _references():
 
     ref["gelu"] = 0.5 * g * (1 + np.vectorize(erf)(g / np.sqrt(2)))
     ref["gelu_tanh"] = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+    wm = rng.standard_normal((1031, 579)).astype(np.float32).astype(np.float64)
+    ref["matmul_1row"] = x[:1] @ wm.T
     return ref
 
 
@@ -123,4 +128,6 @@ def test_avx2_and_avx512_builds_agree_to_the_bit(builds):
     _, a = builds["avx2"]
     _, b = builds["avx512"]
     for name in a:
+        if name.startswith("matmul"):
+            continue  # the BLAS shim sums in its build's vector width: float64-checked above
         assert np.array_equal(a[name].view(np.uint32), b[name].view(np.uint32)), name

@@ -300,10 +300,10 @@ def set_transpose_max_rows(rows: int) -> int | None:
 
 
 def set_few_rows_min(rows: int) -> int | None:
-    """Smallest row count sent to the few-row kernel (default 3: 1-2-row products go to
-    OpenBLAS's sgemv, faster on a quiet machine; 1 sends them to the few-row kernel, which
-    does not collapse when another process wants a core). For benchmarks and tests. Returns
-    the previous setting, or None when the shim is not bound."""
+    """Smallest row count sent to the few-row kernel (default 1: decode's one- and two-row
+    products too, faster than OpenBLAS's sgemv with the weights streamed from memory and
+    never collapsing when another process wants a core; 3 sends them to sgemv). For
+    benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_few_rows_min(rows))
