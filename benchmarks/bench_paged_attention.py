@@ -10,8 +10,15 @@ prefill rows per tile: the measurements behind the table in
 csrc/cpu/paged_attention_tiles.h. `--ext PATH` loads another build of the
 extension (e.g. the previous kernel) to compare.
 
+`--decode-stream` times decode as a model step runs it: 30 layers' caches of
+their own (8 sequences x 1024 tokens, SmolLM2's 9/3 heads x 64, float32: the
+KV comes from memory, not cache), with blocks in order and shuffled, then the
+same calls with every block table pointing at one block (the kernel's compute
+alone) and numpy reading the same bytes (the memory alone).
+
     python benchmarks/bench_paged_attention.py [--quick] [--json out.json]
     python benchmarks/bench_paged_attention.py --tiles [--ext old/_ext.so] [--json out.json]
+    python benchmarks/bench_paged_attention.py --decode-stream [--json out.json]
 """
 
 from __future__ import annotations
@@ -171,15 +178,57 @@ def tiles(args):
             json.dump({"variant": variant, "tiles": rows}, f, indent=2)
 
 
+def decode_stream(args, layers=30, seqs=8, context=1024, heads=9, kv_heads=3, head_dim=64):
+    """Decode attention over caches streamed from memory: compute, memory, and both."""
+    rng = np.random.default_rng(0)
+    nb = seqs * context // BLOCK
+    sl = mx.array(np.full(seqs, context, np.int32))
+    cu = mx.array(np.arange(seqs + 1, dtype=np.int32))
+    shape = (nb, BLOCK, kv_heads, head_dim)
+    caches = []
+    for _ in range(layers):
+        kc = mx.array(rng.standard_normal(shape, np.float32))
+        vc = mx.array(rng.standard_normal(shape, np.float32))
+        q = mx.array(rng.standard_normal((seqs, heads, head_dim), np.float32))
+        mx.eval(kc, vc, q)
+        caches.append((q, kc, vc))
+    tables = {"blocks in order": np.arange(nb), "blocks shuffled": rng.permutation(nb),
+              "one block (compute alone)": np.zeros(nb)}
+    kv_bytes = 2 * nb * BLOCK * kv_heads * head_dim * 4 * layers
+    print(f"decode attention, {layers} layers x {seqs} sequences x {context} tokens, {heads}/{kv_heads} heads x "
+          f"{head_dim}, float32 ({kv_bytes / 1e6:.0f} MB of KV per step)")
+    print("| case | ms per step | KV GB/s |")
+    print("|---|---:|---:|")
+    out = {"variant": ops._ext.cpu_attention_variant(), "kv_bytes": kv_bytes, "cases": {}}
+    for name, table in tables.items():
+        bt = mx.array(table.reshape(seqs, -1).astype(np.int32))
+        t = timeit(lambda: mx.eval([ops.paged_attention(q, kc, vc, bt, sl, cu, scale=head_dim ** -0.5)
+                                    for q, kc, vc in caches]), min_time=1.0)
+        print(f"| {name} | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} |")
+        out["cases"][name] = t * 1e3
+    arrays = [(np.asarray(kc), np.asarray(vc)) for _, kc, vc in caches]
+    t = timeit(lambda: [a.sum() + b.sum() for a, b in arrays], min_time=1.0)
+    print(f"| numpy reads the same bytes (memory alone) | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} |")
+    out["cases"]["numpy read"] = t * 1e3
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--tiles", action="store_true", help="the CPU tile-table sweep instead")
     parser.add_argument("--ext", help="path of another _ext build to load (comparisons)")
+    parser.add_argument("--decode-stream", action="store_true",
+                        help="decode over 30 layers' caches streamed from memory instead")
     args = parser.parse_args()
     if args.tiles:
         tiles(args)
+        return
+    if args.decode_stream:
+        decode_stream(args)
         return
 
     bw = memcpy_bandwidth()

@@ -570,9 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_roofline:
         print("measuring the roofline...", flush=True)
         roof_json = run_dir / "roofline.json"
+        # Under --cap-isa the machine's ceilings are those of the capped code too.
+        cap = {k: v for system in systems for k, v in cap_env(system, args.cap_isa).items() if k != "PYTHONPATH"}
         subprocess.run([sys.executable, str(HERE / "roofline.py"), "--model", model, "--json",
                         str(roof_json)] + (["--quick"] if args.quick else []),
-                       check=True, stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ, **cap})
         roofline = json.loads(roof_json.read_text())
 
     runs = []

@@ -77,7 +77,8 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         None,
         "Caps the instruction set of vllm-metal's CPU kernels: 'avx2' runs the AVX2 builds on an "
         "AVX-512 host, 'generic' the portable ones (for profiling what an AVX2-only host runs; "
-        "with OPENBLAS_CORETYPE=Haswell numpy's OpenBLAS too). Unset: the best the CPU runs.",
+        "with OPENBLAS_CORETYPE=Haswell numpy's OpenBLAS too; the BLAS shim's one-row AVX-512 path "
+        "obeys it as well). Unset: the best the CPU runs; `vllm-metal doctor` shows the builds in use.",
     ),
     "VLLM_METAL_CPU_THREADS": (
         None,

@@ -9,7 +9,7 @@
 // any register of the target has no machine mode, so GCC keeps every such
 // variable in memory and splits each operation into loads and stores -- the
 // AVX2 kernels ran 20-30x slower than the AVX-512 ones that way (issue 34,
-// docs/benchmarks.md#avx2). The operations here work part by part; the lane
+// docs/benchmarks.md, "AVX2-only hosts"). The operations work part by part; the lane
 // reductions (hmax, hsum) use the same tree in every build.
 #pragma once
 
