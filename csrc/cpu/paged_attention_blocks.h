@@ -30,22 +30,49 @@ constexpr int kMaxRowBlock = 8;
 constexpr int kMaxRowBlock = 4;
 #endif
 
-// scores[r][0 : ng * 16] = q[r] . keys, for RB rows; kt is head_dim x kp.
+// Key groups (of 16) scored together by a micro-kernel of RB rows: each
+// accumulator is one FMA chain over the head dim, and a chain waits on its
+// previous FMA (4 cycles), so a few rows alone (decode: the GQA group) leave
+// the FMA units idle unless several key groups run side by side. RB x NG
+// accumulators must fit the build's registers (32 on AVX-512, 16 on AVX2, a
+// vf being two AVX2 or four SSE registers there).
 template <int RB>
-inline void score_rows(const float* q, int D, const float* kt, int kp, int ng, float* scores) {
-  for (int g = 0; g < ng; ++g) {
-    vf acc[RB] = {};
-    const float* col = kt + g * kLanes;
-    for (int d = 0; d < D; ++d) {
-      const vf k = vload(col + static_cast<int64_t>(d) * kp);
-      for (int r = 0; r < RB; ++r) {
-        acc[r] += q[r * D + d] * k;
-      }
-    }
+constexpr int score_groups() {
+#if defined(__AVX512F__)
+  return RB <= 4 ? 4 : 1;
+#elif defined(__AVX__)
+  return RB == 1 ? 4 : RB == 2 ? 2 : 1;
+#else
+  return RB <= 2 ? 2 : 1;
+#endif
+}
+
+// scores[r][g * 16 : (g + NG) * 16] = q[r] . keys of groups g .. g + NG - 1,
+// for RB rows; kt is head_dim x kp. Every score is one chain over d in order,
+// whatever RB and NG: the same bits.
+template <int RB, int NG>
+inline void score_groups_at(const float* q, int D, const float* kt, int kp, int g, float* scores) {
+  vf acc[RB][NG] = {};
+  const float* col = kt + g * kLanes;
+  for (int d = 0; d < D; ++d) {
+    vf k[NG];
+    for (int j = 0; j < NG; ++j) k[j] = vload(col + static_cast<int64_t>(d) * kp + j * kLanes);
     for (int r = 0; r < RB; ++r) {
-      vstore(scores + r * kp + g * kLanes, acc[r]);
+      const float x = q[r * D + d];
+      for (int j = 0; j < NG; ++j) acc[r][j] += x * k[j];
     }
   }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NG; ++j) vstore(scores + r * kp + (g + j) * kLanes, acc[r][j]);
+}
+
+// scores[r][0 : ng * 16] = q[r] . keys, for RB rows.
+template <int RB>
+inline void score_rows(const float* q, int D, const float* kt, int kp, int ng, float* scores) {
+  constexpr int NG = score_groups<RB>();
+  int g = 0;
+  for (; g + NG <= ng; g += NG) score_groups_at<RB, NG>(q, D, kt, kp, g, scores);
+  for (; g < ng; ++g) score_groups_at<RB, 1>(q, D, kt, kp, g, scores);
 }
 
 void score_block(const float* q, int rows, int D, const float* kt, int kp, int ng,
