@@ -7,7 +7,8 @@
 // (64 keys of 16- or 32-key blocks, else one block): it loads a step's keys
 // once, transposed (head dim x keys, keys across the SIMD lanes), and scores
 // them against every row of the tile with a register-blocked micro-kernel
-// (row_block rows x 16 keys, one FMA chain per lane over the head dim);
+// (row_block rows x 16 keys, one FMA chain per lane over the head dim;
+// a few rows score several 16-key groups side by side);
 // each value row is then loaded once per kValueRowBlock rows that see the
 // same keys and accumulated into them. Softmax is an online (streaming)
 // softmax in float32, one update per step. Scores use head_dim (q and key rows),
@@ -55,6 +56,7 @@ struct Unit {
   int seq;
   int tok_begin, tok_end;    // token indices within the sequence's new tokens
   int kv_head;
+  int num_heads;             // KV heads kv_head .. kv_head + num_heads - 1 (decode: all of them)
   int part_begin, part_end;  // absolute key partitions this unit reduces
   int64_t partial_offset;    // -1: write rows to out; else offset into partials
 };
@@ -114,6 +116,15 @@ class CpuPagedAttention {
   }
 
  private:
+  // Row r of a unit: its token (index into q/out) and query head. Rows run
+  // KV head by KV head, each head's rows token-major, then head within the group.
+  void row_token_head(const Unit& u, int r, int& t, int& h) const {
+    const int per_head = (u.tok_end - u.tok_begin) * g_.group;
+    const int hl = r / per_head, rr = r % per_head;
+    t = cu_[u.seq] + u.tok_begin + rr / g_.group;
+    h = (u.kv_head + hl) * g_.group + rr % g_.group;
+  }
+
   int row_pos(int seq, int tok) const {
     int n = cu_[seq + 1] - cu_[seq];
     return seq_lens_[seq] - n + tok;
@@ -154,20 +165,33 @@ class CpuPagedAttention {
         tiles.push_back({s, tb, te, lo / kPartition, hi / kPartition + 1});
       }
     }
+    const std::size_t threads = static_cast<std::size_t>(cpu_thread_count());
     const std::size_t base_units = tiles.size() * g_.num_kv_heads;
-    const bool split = base_units < 2 * static_cast<std::size_t>(cpu_thread_count());
+    const bool split = base_units < 2 * threads;
+    // With enough sequences to occupy the cores, a decode sequence's KV heads
+    // go in one unit, which walks the key steps once for all of them: each
+    // block's rows are then read for every head within one step, in address
+    // order, instead of a third (or an eighth) of each row by units that run
+    // at different times -- the access the memory system streams best
+    // (docs/benchmarks.md, "Where the gap is"). A row's arithmetic does not
+    // change.
+    const bool whole_seq = tiles.size() >= 2 * threads;
     int64_t partial_floats = 0;
     for (const auto& t : tiles) {
+      if (whole_seq && cu_[t.seq + 1] - cu_[t.seq] == 1) {
+        units_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, t.pb, t.pe, -1});
+        continue;
+      }
       for (int h = 0; h < g_.num_kv_heads; ++h) {
         if (!split || t.pe - t.pb == 1) {
-          units_.push_back({t.seq, t.tb, t.te, h, t.pb, t.pe, -1});
+          units_.push_back({t.seq, t.tb, t.te, h, 1, t.pb, t.pe, -1});
           continue;
         }
         // Partials of consecutive partitions lie back to back from here.
-        merges_.push_back({t.seq, t.tb, t.te, h, t.pb, t.pe, partial_floats});
+        merges_.push_back({t.seq, t.tb, t.te, h, 1, t.pb, t.pe, partial_floats});
         const int64_t rows = (t.te - t.tb) * g_.group;
         for (int p = t.pb; p < t.pe; ++p) {
-          units_.push_back({t.seq, t.tb, t.te, h, p, p + 1, partial_floats});
+          units_.push_back({t.seq, t.tb, t.te, h, 1, p, p + 1, partial_floats});
           partial_floats += rows * (g_.v_head_dim + 2);
         }
       }
@@ -178,7 +202,7 @@ class CpuPagedAttention {
   void run_unit(const Unit& u) {
     thread_local Scratch sc;
     const int D = g_.head_dim, Dv = g_.v_head_dim;
-    const int rows = (u.tok_end - u.tok_begin) * g_.group;
+    const int rows = (u.tok_end - u.tok_begin) * g_.group * u.num_heads;
     sc.q.resize(rows * D);
     sc.acc.assign(rows * dvp_, 0.0f);
     sc.state.assign(rows, RowState{kNegInf, 0.0f});
@@ -192,11 +216,11 @@ class CpuPagedAttention {
     sc.lo.resize(rows);
     sc.hi.resize(rows);
 
-    // Gather the tile's query rows (token-major, then head within the group).
-    const int tok0 = cu_[u.seq] + u.tok_begin;
+    // Gather the tile's query rows (KV head, then token, then head within
+    // the group).
     for (int r = 0; r < rows; ++r) {
-      int t = tok0 + r / g_.group;
-      int h = u.kv_head * g_.group + r % g_.group;
+      int t, h;
+      row_token_head(u, r, t, h);
       load_row(q_ + t * g_.q_st[0] + h * g_.q_st[1], g_.q_st[2], D, &sc.q[r * D]);
     }
 
@@ -273,7 +297,6 @@ class CpuPagedAttention {
   // Fresh online softmax of every row of the unit over one key partition,
   // into sc.part_state / sc.part_acc.
   void reduce_partition(const Unit& u, int part, int rows, Scratch& sc) {
-    const int D = g_.head_dim, bs = g_.block_size;
     std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * dvp_, 0.0f);
     std::fill(sc.part_state.begin(), sc.part_state.begin() + rows, RowState{kNegInf, 0.0f});
 
@@ -285,48 +308,60 @@ class CpuPagedAttention {
       return;
     }
     const int32_t* table = bt_ + u.seq * g_.bt_st[0];
+    const int per_head = (u.tok_end - u.tok_begin) * g_.group;
     // Steps over absolute, aligned key ranges [c0, c0 + chunk_) (a partition
     // is a whole number of them); lane i of a step is key c0 + i.
     for (int c0 = key_lo / chunk_ * chunk_; c0 < key_hi; c0 += chunk_) {
       const int p0 = std::max(key_lo, c0), p1 = std::min(key_hi, c0 + chunk_);
-      sc.nseg = 0;
-      for (int b = p0 / bs; b * bs < p1; ++b) {
-        const int q0 = std::max(p0, b * bs), q1 = std::min(p1, (b + 1) * bs);
-        load_block(table[b * g_.bt_st[1]], b * bs, q0, q1, u.kv_head, q0 - c0, sc);
+      for (int hl = 0; hl < u.num_heads; ++hl) {
+        step_head(u, u.kv_head + hl, hl * per_head, per_head, c0, p0, p1, first_pos, table, sc);
       }
-      const int ng = (p1 - c0 + kLanes - 1) / kLanes;
+    }
+  }
 
-      // Rows that see none of these keys (the first rows of a causal tile
-      // against its last keys, rows whose window ended) are not scored.
-      int r_first = 0;
-      while (r_first < rows && row_hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
-      int r_end = rows;
-      while (r_end > r_first && row_lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
-      if (r_first >= r_end) {
-        continue;
-      }
-      score_block(&sc.q[r_first * D], r_end - r_first, D, sc.kt.data(), kp_, ng,
-                  &sc.scores[r_first * kp_], kMaxRowBlock);
+  // One step [c0, c0 + chunk_) (keys [p0, p1)) of one KV head for its rows
+  // [base, base + rows) of the unit: its keys and values loaded, its rows
+  // scored, their softmax advanced and their values accumulated.
+  void step_head(const Unit& u, int kv_head, int base, int rows, int c0, int p0, int p1, int first_pos,
+                 const int32_t* table, Scratch& sc) {
+    const int D = g_.head_dim, bs = g_.block_size;
+    sc.nseg = 0;
+    for (int b = p0 / bs; b * bs < p1; ++b) {
+      const int q0 = std::max(p0, b * bs), q1 = std::min(p1, (b + 1) * bs);
+      load_block(table[b * g_.bt_st[1]], b * bs, q0, q1, kv_head, q0 - c0, sc);
+    }
+    const int ng = (p1 - c0 + kLanes - 1) / kLanes;
 
-      for (int r = r_first; r < r_end; ++r) {
-        const int pos = first_pos + r / g_.group;
-        const int lo = std::max(p0, row_lo(pos)) - c0, hi = std::min(p1, row_hi(u.seq, pos)) - c0;
-        sc.lo[r] = lo;
-        sc.hi[r] = hi;
-        if (lo < hi) {
-          online_softmax_step(&sc.scores[r * kp_], ng, lo, hi, p_.scale, p_.softcap, sc.part_state[r],
-                              &sc.part_acc[r * dvp_], dvp_);
-        }
+    // Rows that see none of these keys (the first rows of a causal tile
+    // against its last keys, rows whose window ended) are not scored.
+    int r_first = 0;
+    while (r_first < rows && row_hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
+    int r_end = rows;
+    while (r_end > r_first && row_lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
+    if (r_first >= r_end) {
+      return;
+    }
+    score_block(&sc.q[(base + r_first) * D], r_end - r_first, D, sc.kt.data(), kp_, ng,
+                &sc.scores[(base + r_first) * kp_], kMaxRowBlock);
+
+    for (int r = r_first; r < r_end; ++r) {
+      const int pos = first_pos + r / g_.group;
+      const int lo = std::max(p0, row_lo(pos)) - c0, hi = std::min(p1, row_hi(u.seq, pos)) - c0;
+      sc.lo[base + r] = lo;
+      sc.hi[base + r] = hi;
+      if (lo < hi) {
+        online_softmax_step(&sc.scores[(base + r) * kp_], ng, lo, hi, p_.scale, p_.softcap,
+                            sc.part_state[base + r], &sc.part_acc[(base + r) * dvp_], dvp_);
       }
-      // The values, into rows with the same keys kValueRowBlock at a time.
-      for (int r = r_first; r < r_end;) {
-        int n = 1;
-        while (n < kValueRowBlock && r + n < r_end && sc.lo[r + n] == sc.lo[r] && sc.hi[r + n] == sc.hi[r]) ++n;
-        if (sc.lo[r] < sc.hi[r]) {
-          accumulate_step(r, n, sc);
-        }
-        r += n;
+    }
+    // The values, into rows with the same keys kValueRowBlock at a time.
+    for (int r = base + r_first; r < base + r_end;) {
+      int n = 1;
+      while (n < kValueRowBlock && r + n < base + r_end && sc.lo[r + n] == sc.lo[r] && sc.hi[r + n] == sc.hi[r]) ++n;
+      if (sc.lo[r] < sc.hi[r]) {
+        accumulate_step(r, n, sc);
       }
+      r += n;
     }
   }
 
@@ -349,8 +384,8 @@ class CpuPagedAttention {
   // per row, whichever way the row's partitions were reduced.
   void write_row(const Unit& u, int r, RowState st, const float* acc) {
     const int Dv = g_.v_head_dim;
-    const int t = cu_[u.seq] + u.tok_begin + r / g_.group;
-    const int h = u.kv_head * g_.group + r % g_.group;
+    int t, h;
+    row_token_head(u, r, t, h);
     T* dst = out_ + (static_cast<int64_t>(t) * g_.num_heads + h) * Dv;
     float inv = 1.0f / st.l;
     if (sinks_ != nullptr) {

@@ -109,6 +109,22 @@ def test_batch_invariant(rng):
     assert np.array_equal(np.array(alone), np.array(out[0:1]))
 
 
+def test_decode_units_over_all_kv_heads_keep_the_bits(rng):
+    """With enough sequences to occupy the cores, a decode sequence's KV heads run
+    in one unit (its blocks read for every head in one pass); alone, one unit per
+    KV head (and key partition). The same bits either way, and float64's values."""
+    new = [1, 1, 1, 1, 1, 1, 9]
+    ctx = [1300, 40, 1, 700, 16, 515, 60]
+    args, kwargs, out, _, expected = run_case(rng, gqa=3, head_dim=64, dtype="float32", block_size=16,
+                                              new_tokens=new, context_lens=ctx, num_kv_heads=3, softcap=30.0)
+    np.testing.assert_allclose(np.array(out), expected, rtol=1e-4, atol=2e-5)
+    q, kc, vc, bt, sl, cu = args
+    for s in range(6):
+        alone = ops.paged_attention(q[s:s + 1], kc, vc, bt[s:s + 1], sl[s:s + 1], mx.array([0, 1], mx.int32),
+                                    **kwargs)
+        assert np.array_equal(np.array(alone), np.array(out[s:s + 1])), s
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_tiles_never_change_the_bits(rng, head_dim):
     """The CPU kernel's rows per tile (the shape-class table, or any override)
