@@ -529,6 +529,9 @@ def publish_serving(report: dict, out_dir: Path, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a `kill`, a CI timeout) unwinds like Ctrl-C: run_one's `finally` then stops the
+    # server it started in its own session, which would otherwise outlive the benchmark.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.render_only:
         report = json.loads(args.render_only.read_text())
         print(publish_serving(report, args.results_dir, args))
