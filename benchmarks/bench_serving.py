@@ -374,14 +374,21 @@ def versions() -> dict:
     return out
 
 
-def isa(extra_env: dict | None = None) -> str:
-    """The instruction set vllm-metal's CPU kernels run here (their build, after any
-    VLLM_METAL_CPU_ISA cap), labelled with the host's own where a cap lowers it:
-    "avx512", "avx2", or "avx2 builds on an avx512 host"."""
-    k = kernel_isa(extra_env)
+def isa(kernels: dict | None = None) -> str:
+    """The instruction set vllm-metal's CPU kernels run (their build, after any
+    VLLM_METAL_CPU_ISA cap; `kernels` is kernel_isa()'s answer, asked for when not
+    given), labelled with the host's own where a cap lowers it: "avx512", "avx2", or
+    "avx2 builds on an avx512 host"."""
+    k = kernel_isa() if kernels is None else kernels
     if k.get("isa") and k["isa"] != k.get("host_isa"):
         return f"{k['isa']} builds on an {k['host_isa']} host"
     return k.get("isa") or host_isa()
+
+
+def isa_meta(extra_env: dict | None = None) -> dict:
+    """A result's "isa" label and "cpu_kernels" (one probe of the extension)."""
+    kernels = kernel_isa(extra_env)
+    return {"isa": isa(kernels), "cpu_kernels": kernels}
 
 
 def host_isa() -> str:
@@ -405,8 +412,7 @@ def kernel_isa(extra_env: dict | None = None) -> dict:
 def run_meta(script: str, argv: list[str], started: dt.datetime) -> dict:
     """What every benchmark's raw JSON says about its run: when, on what CPU, from which
     commit, with which versions, the command, how long it took."""
-    return {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(), "isa": isa(),
-            "cpu_kernels": kernel_isa(),
+    return {"date": started.strftime("%Y-%m-%d %H:%M %Z"), "cpu": roofline_mod.cpu_name(), **isa_meta(),
             "cores": os.cpu_count(), "host": platform.platform(), "plugin_revision": plugin_revision(),
             "versions": versions(), "command": shlex.join([script, *argv]),
             "wall_s": (dt.datetime.now().astimezone() - started).total_seconds()}
@@ -591,8 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": started.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": None,
             "cpu": roofline_mod.cpu_name(),
             "cores": os.cpu_count(), "host": platform.platform(),
-            "isa": isa(cap_env("vllm-metal", args.cap_isa)), "isa_cap": args.cap_isa,
-            "cpu_kernels": kernel_isa(cap_env("vllm-metal", args.cap_isa)),
+            **isa_meta(cap_env("vllm-metal", args.cap_isa)), "isa_cap": args.cap_isa,
             "cap_env": {s: cap_env(s, args.cap_isa) for s in systems} if args.cap_isa else None,
             "command": shlex.join([Path(sys.executable).name, "benchmarks/bench_serving.py",
                                    *(argv if argv is not None else sys.argv[1:])]),

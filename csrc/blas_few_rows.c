@@ -77,14 +77,18 @@ __attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static i64 one_row_avx5
   return n;
 }
 
+/* VLLM_METAL_CPU_ISA, the cap on every CPU kernel of vllm-metal
+ * (csrc/cpu/isa.h): 0 "generic", 1 "avx2", 2 none. */
+static int isa_cap_level(void) {
+  const char* cap = getenv("VLLM_METAL_CPU_ISA");
+  return !cap ? 2 : strcmp(cap, "generic") == 0 ? 0 : strcmp(cap, "avx2") == 0 ? 1 : 2;
+}
+
 static int avx512_allowed(void) {
   static int cached = -1;
   if (cached < 0) {
     __builtin_cpu_init();
-    /* VLLM_METAL_CPU_ISA caps every CPU kernel of vllm-metal (csrc/cpu/isa.h). */
-    const char* cap = getenv("VLLM_METAL_CPU_ISA");
-    const int capped = cap && (strcmp(cap, "avx2") == 0 || strcmp(cap, "generic") == 0);
-    cached = !capped && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+    cached = isa_cap_level() == 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   }
   return cached;
@@ -330,10 +334,7 @@ int few_rows_cpu_supported(void) {
   static int cached = -1;
   if (cached < 0) {
     __builtin_cpu_init();
-    /* VLLM_METAL_CPU_ISA=generic: vllm-metal's portable code only (csrc/cpu/isa.h). */
-    const char* cap = getenv("VLLM_METAL_CPU_ISA");
-    cached = !(cap && strcmp(cap, "generic") == 0) && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma");
+    cached = isa_cap_level() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }
   return cached;
 #else

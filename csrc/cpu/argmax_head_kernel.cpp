@@ -9,9 +9,8 @@
 // and the running maximum is a lane-wise compare-and-blend: no horizontal
 // reduction anywhere. A micro-tile is kVocab vocabulary rows x kGroups
 // groups of rows (AVX-512: 4 x 4 accumulators in 32 registers; AVX2: 4 x 2
-// in 16). The vectors are this build's own width, not simd.h's 16 lanes: a
-// 64-byte vector has no register on AVX2, and GCC then keeps every
-// accumulator on the stack (measured: the AVX2 build 12x slower). The
+// in 16). The vectors are one register of this build (simd.h's nf), not
+// its 16-lane vf: the tile is shaped by the register count. The
 // vocabulary is split into chunks over the kernels' thread pool; chunk
 // maxima are merged in vocabulary order, and a later index replaces the best
 // only when strictly greater, so the first index wins ties (argmax's rule).
@@ -23,6 +22,7 @@
 
 #include "cpu/argmax_head_kernel.h"
 #include "cpu/dispatch.h"
+#include "cpu/simd.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -33,20 +33,18 @@ namespace vllm_metal::cpu {
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kW = 16;
 constexpr int kVocab = 4;
 constexpr int kGroups = 4;
 #elif defined(__AVX2__)
-constexpr int kW = 8;
 constexpr int kVocab = 4;
 constexpr int kGroups = 2;
 #else
-constexpr int kW = 4;
 constexpr int kVocab = 2;
 constexpr int kGroups = 2;
 #endif
-using hv = float __attribute__((vector_size(kW * sizeof(float))));
-using hvi = int32_t __attribute__((vector_size(kW * sizeof(int32_t))));
+constexpr int kW = kNative;  // rows per vector
+using hv = nf;
+using hvi = ni;
 constexpr int64_t kChunk = 256;  // vocabulary rows per task
 
 inline hv hload(const float* p) {

@@ -74,53 +74,45 @@ VM_INLINE vf iota() {
   return vload(l);
 }
 
-#define VM_BINARY(OP)                                                     \
-  VM_INLINE vf operator OP(vf a, vf b) {                                  \
-    vf r;                                                                 \
+// The operator OP part by part, returning R (vf for arithmetic, vi masks for
+// comparisons); a float operand is broadcast.
+#define VM_PARTWISE(R, OP)                                                \
+  VM_INLINE R operator OP(vf a, vf b) {                                   \
+    R r;                                                                  \
     for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k];           \
     return r;                                                             \
   }                                                                       \
-  VM_INLINE vf operator OP(vf a, float b) {                               \
-    vf r;                                                                 \
+  VM_INLINE R operator OP(vf a, float b) {                                \
+    R r;                                                                  \
     for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b;                \
     return r;                                                             \
   }                                                                       \
-  VM_INLINE vf operator OP(float a, vf b) {                               \
-    vf r;                                                                 \
+  VM_INLINE R operator OP(float a, vf b) {                                \
+    R r;                                                                  \
     for (int k = 0; k < kParts; ++k) r.p[k] = a OP b.p[k];                \
     return r;                                                             \
-  }                                                                       \
+  }
+#define VM_ARITHMETIC(OP)                                                 \
+  VM_PARTWISE(vf, OP)                                                     \
   VM_INLINE vf& operator OP##=(vf& a, vf b) { return a = a OP b; }        \
   VM_INLINE vf& operator OP##=(vf& a, float b) { return a = a OP b; }
-VM_BINARY(+)
-VM_BINARY(-)
-VM_BINARY(*)
-VM_BINARY(/)
-#undef VM_BINARY
+VM_ARITHMETIC(+)
+VM_ARITHMETIC(-)
+VM_ARITHMETIC(*)
+VM_ARITHMETIC(/)
+VM_PARTWISE(vi, <)
+VM_PARTWISE(vi, >)
+VM_PARTWISE(vi, <=)
+VM_PARTWISE(vi, >=)
+VM_PARTWISE(vi, ==)
+#undef VM_ARITHMETIC
+#undef VM_PARTWISE
 
 VM_INLINE vf operator-(vf a) {
   vf r;
   for (int k = 0; k < kParts; ++k) r.p[k] = -a.p[k];
   return r;
 }
-
-#define VM_COMPARE(OP)                                                    \
-  VM_INLINE vi operator OP(vf a, vf b) {                                  \
-    vi r;                                                                 \
-    for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b.p[k];           \
-    return r;                                                             \
-  }                                                                       \
-  VM_INLINE vi operator OP(vf a, float b) {                               \
-    vi r;                                                                 \
-    for (int k = 0; k < kParts; ++k) r.p[k] = a.p[k] OP b;                \
-    return r;                                                             \
-  }
-VM_COMPARE(<)
-VM_COMPARE(>)
-VM_COMPARE(<=)
-VM_COMPARE(>=)
-VM_COMPARE(==)
-#undef VM_COMPARE
 
 VM_INLINE vi operator&(vi a, vi b) {
   vi r;

@@ -115,42 +115,6 @@ def test_bad_input():
     assert np.array(ops.argmax_head(mx.zeros((0, 4)), mx.zeros((10, 4)))).shape == (0,)
 
 
-def _tokens_under(isa: str | None) -> tuple[str, list[int]]:
-    """In a fresh interpreter with VLLM_METAL_CPU_ISA=isa: the kernels' variant
-    and argmax_head's tokens on fixed data."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    code = ("import json, numpy as np, mlx.core as mx; from vllm_metal.native import ops; "
-            "r = np.random.default_rng(5); h = r.standard_normal((40, 72)).astype(np.float32); "
-            "w = r.standard_normal((3001, 72)).astype(np.float32); "
-            "print(json.dumps([ops._ext.cpu_attention_variant(), "
-            "np.array(ops.argmax_head(mx.array(h), mx.array(w))).tolist()]))")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_METAL_CPU_ISA"}
-    if isa is not None:
-        env["VLLM_METAL_CPU_ISA"] = isa
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    variant, tokens = json.loads(out.stdout.strip().splitlines()[-1])
-    return variant, tokens
-
-
-def test_every_isa_build_gives_the_same_tokens():
-    """VLLM_METAL_CPU_ISA caps the kernels' instruction set (how an AVX-512
-    host profiles what an AVX2-only host runs): each build gives the tokens of
-    float64 numpy."""
-    rng = np.random.default_rng(5)
-    h, w = rng.standard_normal((40, 72)).astype(np.float32), rng.standard_normal((3001, 72)).astype(np.float32)
-    want = reference(h, w).tolist()
-    best, tokens = _tokens_under(None)
-    assert tokens == want
-    for isa in ("avx2", "generic"):
-        variant, tokens = _tokens_under(isa)
-        assert tokens == want, isa
-        assert variant == (isa if best in ("avx2", "avx512") or isa == "generic" else best)
-
-
 def test_an_unknown_isa_cap_is_refused():
     import os
     import subprocess

@@ -1,8 +1,8 @@
 """Every instruction-set build of the 16-lane CPU kernels computes the same thing.
 
 The kernels built on csrc/cpu/simd.h (paged attention, RMSNorm / LayerNorm,
-SwiGLU, GELU; and the BLAS shim's one-row product) are compiled once per
-instruction set and picked at run time;
+SwiGLU, GELU, ArgmaxHead; and the BLAS shim's one-row product) are compiled
+once per instruction set and picked at run time;
 VLLM_METAL_CPU_ISA caps the pick, so an AVX-512 host also runs what an
 AVX2-only host runs. Each build, run in a subprocess of its own, is checked
 against float64 numpy, and the AVX2 and AVX-512 builds against each other to
@@ -55,6 +55,9 @@ out["gelu"] = np.array(ops.gelu(mx.array(g)))
 out["gelu_tanh"] = np.array(ops.gelu(mx.array(g), approximate=True))
 wm = rng.standard_normal((1031, 579)).astype(np.float32)
 out["matmul_1row"] = np.array(mx.array(x[:1]) @ mx.array(wm).T)  # the BLAS shim's one-row kernel
+r5 = np.random.default_rng(5)
+h, wh = r5.standard_normal((40, 72)).astype(np.float32), r5.standard_normal((3001, 72)).astype(np.float32)
+out["argmax_head"] = np.array(ops.argmax_head(mx.array(h), mx.array(wh)))
 np.savez(sys.argv[1], **out)
 print(json.dumps(ops._ext.cpu_attention_variant()))
 """
@@ -101,6 +104,9 @@ def _references():
     ref["gelu_tanh"] = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
     wm = rng.standard_normal((1031, 579)).astype(np.float32).astype(np.float64)
     ref["matmul_1row"] = x[:1] @ wm.T
+    r5 = np.random.default_rng(5)
+    h, wh = r5.standard_normal((40, 72)).astype(np.float32), r5.standard_normal((3001, 72)).astype(np.float32)
+    ref["argmax_head"] = np.argmax(h.astype(np.float64) @ wh.astype(np.float64).T, axis=1)
     return ref
 
 
@@ -119,6 +125,9 @@ def test_each_build_matches_float64(builds):
     for cap, (variant, got) in builds.items():
         assert variant == cap
         for name, want in ref.items():
+            if name == "argmax_head":  # tokens: exactly float64's
+                assert got[name].tolist() == want.tolist(), cap
+                continue
             np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=3e-5, err_msg=f"{cap}: {name}")
 
 
