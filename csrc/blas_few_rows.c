@@ -41,16 +41,45 @@ static inline void store_out(const FewRowsJob* j, i64 m, i64 n, float dot) {
   *c = j->beta == 0.0f ? j->alpha * dot : j->alpha * dot + j->beta * *c;
 }
 
+/* Software prefetch into L2 of the W rows a kernel reads next, spread over
+ * the loop that reads the current ones (one slice per iteration). Decode's
+ * weights are short rows (SmolLM2: 576 floats, 36 lines), so each row is a
+ * stream too short for the hardware prefetchers to train on before it ends;
+ * fetching the next block of rows while the current one computes kept
+ * memory busy: SmolLM2's 120 batch-1 products 19 -> 15 ms, its 113 MB head
+ * 4.6 -> 3.3 ms (docs/benchmarks.md#blas-shim). An L1 hint or a
+ * non-temporal one measured slower, two or four blocks ahead no better. */
+typedef struct {
+  const char* p;
+  i64 left, step;
+} Prefetch;
+
+static inline Prefetch prefetch_plan(const float* from, i64 bytes, i64 iters) {
+  Prefetch f = {(const char*)from, bytes > 0 ? bytes : 0, 0};
+  if (iters < 1) iters = 1;
+  f.step = ((f.left + iters - 1) / iters + 63) & ~(i64)63;
+  return f;
+}
+
+static inline void prefetch_next(Prefetch* f) {
+  const i64 e = f->step < f->left ? f->step : f->left;
+  for (i64 b = 0; b < e; b += 64) _mm_prefetch(f->p + b, _MM_HINT_T1);
+  f->p += e;
+  f->left -= e;
+}
+
 /* Columns [n0, n1) of C: W's rows two at a time against A's rows four at a
  * time (8 accumulators in registers), then single rows; K's tail (K % 8)
  * in scalars. */
+#ifndef PF_PAIRS_AHEAD
+#define PF_PAIRS_AHEAD 2
+#endif
 #define DOT_TAIL(d, a, w) for (i64 k = K8; k < K; ++k) d += (a)[k] * (w)[k]
 
 /* One row of A (decode at batch 1) on AVX-512: eight W rows at a time, each
  * its own FMA chain of 16-lane partial sums (K's tail through a masked load).
- * Bound by reading W: eight sequential streams, which the hardware
- * prefetchers follow (software prefetch 4-32 lines ahead measured no better;
- * docs/benchmarks.md#blas-shim). Returns the first column it did not do. */
+ * Bound by reading W: the next eight rows are prefetched into L2 meanwhile
+ * (Prefetch above). Returns the first column it did not do. */
 __attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static i64 one_row_avx512(const FewRowsJob* j, i64 n0,
                                                                                    i64 n1) {
   const i64 K = j->K, K16 = K & ~(i64)15;
@@ -62,8 +91,10 @@ __attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static i64 one_row_avx5
     const i64 ld = j->ldb;
     __m512 c[8];
     for (int r = 0; r < 8; ++r) c[r] = _mm512_setzero_ps();
+    Prefetch f = prefetch_plan(w + 8 * ld, n + 16 <= n1 ? 8 * ld * 4 : 0, K16 / 16);
     for (i64 k = 0; k < K16; k += 16) {
       const __m512 v = _mm512_loadu_ps(a + k);
+      prefetch_next(&f);
       for (int r = 0; r < 8; ++r) {
         c[r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(w + r * ld + k), c[r]);
       }
@@ -109,8 +140,10 @@ __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob*
       const float* w3 = w2 + j->ldb;
       __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(),
              c3 = _mm256_setzero_ps();
+      Prefetch f = prefetch_plan(w0 + 4 * j->ldb, n + 8 <= n1 ? 4 * j->ldb * 4 : 0, K8 / 8);
       for (i64 k = 0; k < K8; k += 8) {
         const __m256 v = _mm256_loadu_ps(a + k);
+        prefetch_next(&f);
         c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
         c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);
         c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w2 + k), c2);
@@ -125,6 +158,9 @@ __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob*
   for (; n + 2 <= n1; n += 2) {
     const float* w0 = j->B + n * j->ldb;
     const float* w1 = w0 + j->ldb;
+    /* The pair PF_PAIRS_AHEAD pairs on, over the first k loop below. */
+    Prefetch f = prefetch_plan(w0 + 2 * PF_PAIRS_AHEAD * j->ldb,
+                               n + 2 * (PF_PAIRS_AHEAD + 1) <= n1 ? 2 * j->ldb * 4 : 0, K8 / 8);
     i64 m = 0;
     for (; m < M4; m += 4) {
       const float* a0 = j->A + m * j->lda;
@@ -135,6 +171,7 @@ __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob*
              c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(),
              c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
       for (i64 k = 0; k < K8; k += 8) {
+        prefetch_next(&f);
         const __m256 x0 = _mm256_loadu_ps(w0 + k), x1 = _mm256_loadu_ps(w1 + k);
         __m256 v = _mm256_loadu_ps(a0 + k);
         c00 = _mm256_fmadd_ps(v, x0, c00);
@@ -162,6 +199,7 @@ __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob*
       const float* a0 = j->A + m * j->lda;
       __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
       for (i64 k = 0; k < K8; k += 8) {
+        prefetch_next(&f);
         const __m256 v = _mm256_loadu_ps(a0 + k);
         c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w0 + k), c0);
         c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w1 + k), c1);

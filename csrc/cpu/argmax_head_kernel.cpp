@@ -46,6 +46,11 @@ constexpr int kW = kNative;  // rows per vector
 using hv = nf;
 using hvi = ni;
 constexpr int64_t kChunk = 256;  // vocabulary rows per task
+// The next tile's vocabulary rows are prefetched into L2 one cache line
+// (16 floats) per row for each line of this tile's rows read: a vocabulary
+// row is a stream too short for the hardware prefetchers (the BLAS shim's
+// one-row kernel does the same, csrc/blas_few_rows.c).
+constexpr int64_t kLineFloats = 16;
 
 inline hv hload(const float* p) {
   hv v;
@@ -63,9 +68,30 @@ inline hv hsplat(float x) { return x - hv{}; }
 
 inline hvi isplat(int32_t x) { return x - hvi{}; }
 
+// acc[n][g] += rows[n][k] * (group g's rows at k), for k in [k0, k1).
+template <int G>
+inline void tile_steps(const float* const* rows, const float* x0, int64_t ld, int64_t k0, int64_t k1,
+                       hv (&acc)[kVocab][G]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    hv x[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      x[g] = hload(x0 + k * ld + g * kW);
+    }
+#pragma GCC unroll 4
+    for (int n = 0; n < kVocab; ++n) {
+      const hv b = hsplat(rows[n][k]);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        acc[n][g] += b * x[g];
+      }
+    }
+  }
+}
+
 // Vocabulary rows [lo, hi) against groups [g0, g0 + G) of the transposed
 // hidden rows: each lane's best value and index so far, updated in place.
-template <int G>
+template <int G, bool kPrefetch>
 void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64_t lo, int64_t hi, int g0,
                  hv* best, hvi* idx) {
   const float* x0 = ht + static_cast<int64_t>(g0) * kW;
@@ -76,20 +102,18 @@ void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64
     for (int n = 0; n < kVocab; ++n) {
       rows[n] = w + (v + n) * dim;
     }
-    for (int64_t k = 0; k < dim; ++k) {
-      hv x[G];
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        x[g] = hload(x0 + k * ld + g * kW);
-      }
-#pragma GCC unroll 4
-      for (int n = 0; n < kVocab; ++n) {
-        const hv b = hsplat(rows[n][k]);
-#pragma GCC unroll 4
-        for (int g = 0; g < G; ++g) {
-          acc[n][g] += b * x[g];
+    if constexpr (kPrefetch) {
+      const bool ahead = v + 2 * kVocab <= hi;
+      for (int64_t k0 = 0; k0 < dim; k0 += kLineFloats) {
+        if (ahead) {  // the next tile's rows: one line each per line of this tile's
+          for (int n = 0; n < kVocab; ++n) {
+            __builtin_prefetch(rows[n] + kVocab * dim + k0, 0, 2);
+          }
         }
+        tile_steps<G>(rows, x0, ld, k0, std::min(dim, k0 + kLineFloats), acc);
       }
+    } else {
+      tile_steps<G>(rows, x0, ld, 0, dim, acc);
     }
     for (int n = 0; n < kVocab; ++n) {
       const hvi id = isplat(static_cast<int32_t>(v + n));
@@ -118,7 +142,7 @@ void tile_groups(const float* w, const float* ht, int64_t ld, int64_t dim, int64
   }
 }
 
-template <int G>
+template <int G, bool kPrefetch>
 void chunk_groups(const ArgmaxHeadArgs& a, const float* ht, int64_t ld, int64_t lo, int64_t hi, int g0,
                   float* best_out, int32_t* idx_out) {
   hv best[G];
@@ -127,7 +151,7 @@ void chunk_groups(const ArgmaxHeadArgs& a, const float* ht, int64_t ld, int64_t 
     best[g] = hsplat(-std::numeric_limits<float>::infinity());
     idx[g] = isplat(static_cast<int32_t>(lo));
   }
-  tile_groups<G>(a.weight, ht, ld, a.dim, lo, hi, g0, best, idx);
+  tile_groups<G, kPrefetch>(a.weight, ht, ld, a.dim, lo, hi, g0, best, idx);
   for (int g = 0; g < G; ++g) {
     hstore(best_out + (g0 + g) * kW, best[g]);
     hstore_i(idx_out + (g0 + g) * kW, idx[g]);
@@ -155,20 +179,31 @@ void run(const ArgmaxHeadArgs& a) {
     const int64_t lo = c * kChunk, hi = std::min(vocab, lo + kChunk);
     float* bo = best.data() + c * ld;
     int32_t* io = idx.data() + c * ld;
+    // One or two groups of rows (<= 32 on AVX-512, <= 16 on AVX2): the
+    // weight's streaming decides, so its next rows are prefetched; with more
+    // groups the tile is compute-bound and the prefetch measured slower.
+    if (groups == 1) {
+      chunk_groups<1, true>(a, ht.data(), ld, lo, hi, 0, bo, io);
+      return;
+    }
+    if (groups == 2) {
+      chunk_groups<2, true>(a, ht.data(), ld, lo, hi, 0, bo, io);
+      return;
+    }
     for (int g0 = 0; g0 < groups; g0 += kGroups) {
       switch (std::min(kGroups, groups - g0)) {
         case 1:
-          chunk_groups<1>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          chunk_groups<1, false>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
         case 2:
-          chunk_groups<2>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          chunk_groups<2, false>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
 #if defined(__AVX512F__)  // kGroups 4: the only build with three or four groups a pass
         case 3:
-          chunk_groups<3>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          chunk_groups<3, false>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
         default:
-          chunk_groups<4>(a, ht.data(), ld, lo, hi, g0, bo, io);
+          chunk_groups<4, false>(a, ht.data(), ld, lo, hi, g0, bo, io);
           break;
 #endif
       }
