@@ -182,6 +182,21 @@ class CpuPagedAttention {
         units_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, t.pb, t.pe, -1});
         continue;
       }
+      const int parts = t.pe - t.pb;
+      if (split && parts > 1 && g_.num_kv_heads > 1 && cu_[t.seq + 1] - cu_[t.seq] == 1 &&
+          parts >= static_cast<int>(threads) &&
+          (parts % static_cast<int>(threads) == 0 || parts >= 2 * static_cast<int>(threads))) {
+        // Few long decode sequences with enough partitions to share out
+        // evenly: one unit per partition over all KV heads (address order,
+        // as whole_seq above); merged per row afterwards as below.
+        merges_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, t.pb, t.pe, partial_floats});
+        const int64_t rows = static_cast<int64_t>(t.te - t.tb) * g_.group * g_.num_kv_heads;
+        for (int p = t.pb; p < t.pe; ++p) {
+          units_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, p, p + 1, partial_floats});
+          partial_floats += rows * (g_.v_head_dim + 2);
+        }
+        continue;
+      }
       for (int h = 0; h < g_.num_kv_heads; ++h) {
         if (!split || t.pe - t.pb == 1) {
           units_.push_back({t.seq, t.tb, t.te, h, 1, t.pb, t.pe, -1});
@@ -406,7 +421,7 @@ class CpuPagedAttention {
   void merge_partials(std::size_t i) {
     const Unit& u = merges_[i];
     const int Dv = g_.v_head_dim;
-    const int rows = (u.tok_end - u.tok_begin) * g_.group;
+    const int rows = (u.tok_end - u.tok_begin) * g_.group * u.num_heads;
     std::vector<float> acc(Dv);
     for (int r = 0; r < rows; ++r) {
       RowState st{kNegInf, 0.0f};

@@ -125,6 +125,51 @@ def test_decode_units_over_all_kv_heads_keep_the_bits(rng):
         assert np.array_equal(np.array(alone), np.array(out[s:s + 1])), s
 
 
+_THREADS_SCRIPT = r"""
+import sys, numpy as np, mlx.core as mx
+sys.path.insert(0, {tests!r})
+from numpy_reference import make_batch, paged_attention_f64
+from vllm_metal.native import ops
+ctx = [515, 1024, 1300, 2100, 2048, 40, 700, 9]
+b = make_batch(np.random.default_rng(5), new_tokens=[1] * 8, context_lens=ctx, num_heads=9, num_kv_heads=3,
+               head_dim=64, block_size=16, dtype=np.float32)
+q, kc, vc, bt, sl, cu = (mx.array(x) for x in (b.q, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                                               b.cu_seqlens_q))
+kw = dict(scale=b.scale, softcap=30.0)
+out = np.array(ops.paged_attention(q, kc, vc, bt, sl, cu, **kw))
+expected = paged_attention_f64(b.q, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                               b.scale, None, 30.0)
+np.testing.assert_allclose(out, expected, rtol=1e-4, atol=2e-5)
+for s in range(5):
+    alone = np.array(ops.paged_attention(q[s:s + 1], kc, vc, bt[s:s + 1], sl[s:s + 1],
+                                         mx.array([0, 1], mx.int32), **kw))
+    assert np.array_equal(alone, out[s:s + 1]), (s, ctx[s])
+    pair = np.array(ops.paged_attention(q[s:s + 2], kc, vc, bt[s:s + 2], sl[s:s + 2],
+                                        mx.array([0, 1, 2], mx.int32), **kw))
+    assert np.array_equal(pair, out[s:s + 2]), (s, ctx[s])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_decode_partitions_keep_the_bits_at_every_thread_count(threads):
+    """One or two long decode sequences have their keys split into partitions
+    (512 keys) that run as units of their own and are merged afterwards: per
+    KV head, or, with a number of partitions the threads share evenly, one
+    unit per partition over all KV heads. Which way depends on the thread
+    count (fixed per process: a subprocess each); each row gets the same bits
+    as in an 8-sequence batch (one unit per sequence) and float64's values."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _THREADS_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]))
+    env = {**os.environ, "VLLM_METAL_CPU_THREADS": str(threads)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_tiles_never_change_the_bits(rng, head_dim):
     """The CPU kernel's rows per tile (the shape-class table, or any override)
