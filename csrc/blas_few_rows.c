@@ -1,8 +1,8 @@
 /* The BLAS shim's few-row kernel (blas_shim.c sends it row-major
  * x[M,K] @ W[N,K]^T with 3..8 rows): W read once, two rows at a time against
  * all M rows of x (in cache), 4 x 2 outputs in AVX2 registers, the columns
- * split over a small pthread pool (one thread per usable core, the caller
- * included; set_threads), restarted in a fork's child. Each output is one
+ * split over a small pthread pool (one thread per usable core,
+ * the caller included; set_threads), restarted in a fork's child. Each output is one
  * dot product of 8-lane partial sums in a fixed order: it does not depend on
  * the threads or on the other rows of the call. */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
@@ -281,13 +281,26 @@ static int spin_until_zero(atomic_int* value) {
 }
 static FewRowsJob pool_job;
 
+/* Worker w's columns: even slices in whole multiples of 8 columns, so which
+ * kernel path computes a column (8-row blocks, then 4, pairs, singles)
+ * depends only on N, never on the number of threads: the same bits with any
+ * pool size. (Handing out smaller chunks from a counter, so that a preempted
+ * thread holds up only its chunk, measured ~10% slower at 8 rows when quiet;
+ * docs/benchmarks.md#blas-shim.) */
 static void slice(int w, int workers, i64 N, i64* n0, i64* n1) {
-  /* Even-sized slices of whole column pairs. */
-  i64 pairs = (N + 1) / 2;
-  *n0 = 2 * (pairs * w / workers);
-  *n1 = 2 * (pairs * (w + 1) / workers);
+  const i64 blocks = (N + 7) / 8;
+  *n0 = 8 * (blocks * w / workers);
+  *n1 = 8 * (blocks * (w + 1) / workers);
   if (*n1 > N) *n1 = N;
   if (*n0 > N) *n0 = N;
+}
+
+static void run_slice(const FewRowsJob* j, int w, int workers) {
+  i64 n0, n1;
+  slice(w, workers, j->N, &n0, &n1);
+#if defined(__x86_64__)
+  if (n0 < n1) few_rows_range(j, n0, n1);
+#endif
 }
 
 static void* pool_main(void* arg) {
@@ -301,11 +314,7 @@ static void* pool_main(void* arg) {
     FewRowsJob job = pool_job;
     const int workers = pool_threads;
     pthread_mutex_unlock(&pool_lock);
-    i64 n0, n1;
-    slice(w, workers, job.N, &n0, &n1);
-#if defined(__x86_64__)
-    if (n0 < n1) few_rows_range(&job, n0, n1);
-#endif
+    run_slice(&job, w, workers);
     pthread_mutex_lock(&pool_lock);
     atomic_store_explicit(&pool_pending_seen, pool_pending - 1, memory_order_release);
     if (--pool_pending == 0) pthread_cond_signal(&pool_done);
@@ -410,11 +419,7 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
     pthread_cond_broadcast(&pool_wake);
   }
   pthread_mutex_unlock(&pool_lock);
-#if defined(__x86_64__)
-  i64 n0 = 0, n1 = N;
-  if (use_pool) slice(0, workers, N, &n0, &n1);
-  if (n0 < n1) few_rows_range(&job, n0, n1);
-#endif
+  run_slice(&job, 0, use_pool ? workers : 1);
   if (use_pool) {
     spin_until_zero(&pool_pending_seen);
     pthread_mutex_lock(&pool_lock);

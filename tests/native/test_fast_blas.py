@@ -202,6 +202,42 @@ def test_few_row_kernel_on_the_pool_matches_float64(m, rng):
     _check(np.array(got), x.astype(np.float64), w.T.astype(np.float64))
 
 
+_THREADS_SCRIPT = r"""
+import sys, numpy as np
+import vllm_metal.native.ops  # noqa: F401  (arms the shim before mlx.core)
+import mlx.core as mx
+from vllm_metal.native import fast_blas
+fast_blas.set_few_rows_min(1)
+rng = np.random.default_rng(3)
+out = {}
+for m in (1, 2, 5, 8):
+    for n in (4099, 49157):  # slice ends off the 8-row blocks unless aligned
+        x = rng.standard_normal((m, 577)).astype(np.float32)
+        w = rng.standard_normal((n, 577)).astype(np.float32)
+        out[f"{m}x{n}"] = np.array(mx.array(x) @ mx.array(w).T)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_few_row_kernel_bits_do_not_depend_on_the_threads(tmp_path):
+    """The pool's threads take slices of whole multiples of 8 columns, so every
+    column takes the same kernel path (8-row blocks, then 4, pairs, singles)
+    and the same sums with 1, 2 or 3 threads."""
+    if not fast_blas.few_rows_supported():
+        pytest.skip("this CPU has no AVX2/FMA: the few-row kernel does not run")
+    import subprocess
+
+    results = []
+    for threads in (1, 2, 3):
+        path = tmp_path / f"t{threads}.npz"
+        env = {**os.environ, "VLLM_METAL_CPU_THREADS": str(threads)}
+        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        results.append(np.load(path))
+    for key in results[0].files:
+        for other in results[1:]:
+            assert np.array_equal(results[0][key], other[key]), key
+
+
 def _openblas_timeout(env: dict) -> str:
     """In a fresh interpreter: numpy's OpenBLAS's worker spin, as the library reports it."""
     import subprocess
