@@ -37,6 +37,7 @@
 #include "cpu/simd.h"
 #include "cpu/paged_attention_blocks.h"
 #include "cpu/paged_attention_kernel.h"
+#include "cpu/paged_attention_plan.h"
 #include "cpu/paged_attention_softmax.h"
 #include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
@@ -48,18 +49,6 @@
 namespace vllm_metal::cpu {
 
 namespace {
-
-constexpr int kPartition = 512;   // keys per partition (multiple of any block size)
-
-// One independent piece of work.
-struct Unit {
-  int seq;
-  int tok_begin, tok_end;    // token indices within the sequence's new tokens
-  int kv_head;
-  int num_heads;             // KV heads kv_head .. kv_head + num_heads - 1 (decode: all of them)
-  int part_begin, part_end;  // absolute key partitions this unit reduces
-  int64_t partial_offset;    // -1: write rows to out; else offset into partials
-};
 
 inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -99,16 +88,16 @@ class CpuPagedAttention {
         sinks_stride_(a.sinks_stride),
         p_(a.params),
         g_(a.geometry),
-        seq_lens_(a.seq_lens),
         cu_(a.cu_seqlens_q),
         dvp_(round_up(g_.v_head_dim, kLanes)),
         chunk_(g_.block_size % kLanes == 0 && g_.block_size < kChunkKeys && kChunkKeys % g_.block_size == 0
                    ? kChunkKeys
                    : g_.block_size),
-        kp_(round_up(chunk_, kLanes) + kLanes) {}
+        kp_(round_up(chunk_, kLanes) + kLanes),
+        keys_{a.params, a.seq_lens, a.cu_seqlens_q} {}
 
   void run() {
-    plan();
+    plan_units(g_, keys_, cpu_thread_count(), units_, merges_, partials_);
     parallel_for(units_.size(), [this](std::size_t i) { run_unit(units_[i]); });
     if (!merges_.empty()) {
       parallel_for(merges_.size(), [this](std::size_t i) { merge_partials(i); });
@@ -123,95 +112,6 @@ class CpuPagedAttention {
     const int hl = r / per_head, rr = r % per_head;
     t = cu_[u.seq] + u.tok_begin + rr / g_.group;
     h = (u.kv_head + hl) * g_.group + rr % g_.group;
-  }
-
-  int row_pos(int seq, int tok) const {
-    int n = cu_[seq + 1] - cu_[seq];
-    return seq_lens_[seq] - n + tok;
-  }
-
-  int row_lo(int pos) const {
-    return p_.sliding_window > 0 ? std::max(0, pos - p_.sliding_window + 1) : 0;
-  }
-
-  // One past the last key a row at `pos` of sequence `seq` sees: its own
-  // position (causal), else the sequence's end or the window's far side.
-  int row_hi(int seq, int pos) const {
-    if (p_.causal) return pos + 1;
-    const int len = seq_lens_[seq];
-    return p_.sliding_window > 0 ? std::min(len, pos + p_.sliding_window) : len;
-  }
-
-  // Builds the unit list: each sequence's tokens in tiles of its shape
-  // class's rows. Partitions of a tile run in one unit (merged in place)
-  // unless there are too few units to occupy the cores, as in long-context
-  // decode of few sequences; then they become separate units whose partials
-  // are merged afterwards, in the same order.
-  void plan() {
-    struct Tile { int seq, tb, te, pb, pe; };
-    std::vector<Tile> tiles;
-    for (int s = 0; s < g_.num_seqs; ++s) {
-      int n = cu_[s + 1] - cu_[s];
-      const QueryClass c = query_class(n);
-      int rows = rows_per_tile(c, g_.head_dim, g_.group);
-      if (c == QueryClass::prefill && prefill_rows_override() > 0) {
-        rows = prefill_rows_override();
-      }
-      const int tile_tokens = std::max(1, rows / g_.group);
-      for (int tb = 0; tb < n; tb += tile_tokens) {
-        int te = std::min(n, tb + tile_tokens);
-        int lo = row_lo(row_pos(s, tb));
-        int hi = row_hi(s, row_pos(s, te - 1)) - 1;  // inclusive
-        tiles.push_back({s, tb, te, lo / kPartition, hi / kPartition + 1});
-      }
-    }
-    const std::size_t threads = static_cast<std::size_t>(cpu_thread_count());
-    const std::size_t base_units = tiles.size() * g_.num_kv_heads;
-    const bool split = base_units < 2 * threads;
-    // With enough sequences to occupy the cores, a decode sequence's KV heads
-    // go in one unit, which walks the key steps once for all of them: each
-    // block's rows are then read for every head within one step, in address
-    // order, instead of a third (or an eighth) of each row by units that run
-    // at different times -- the access the memory system streams best
-    // (docs/benchmarks.md, "Where the gap is"). A row's arithmetic does not
-    // change.
-    const bool whole_seq = tiles.size() >= 2 * threads;
-    int64_t partial_floats = 0;
-    for (const auto& t : tiles) {
-      if (whole_seq && cu_[t.seq + 1] - cu_[t.seq] == 1) {
-        units_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, t.pb, t.pe, -1});
-        continue;
-      }
-      const int parts = t.pe - t.pb;
-      if (split && parts > 1 && g_.num_kv_heads > 1 && cu_[t.seq + 1] - cu_[t.seq] == 1 &&
-          parts >= static_cast<int>(threads) &&
-          (parts % static_cast<int>(threads) == 0 || parts >= 2 * static_cast<int>(threads))) {
-        // Few long decode sequences with enough partitions to share out
-        // evenly: one unit per partition over all KV heads (address order,
-        // as whole_seq above); merged per row afterwards as below.
-        merges_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, t.pb, t.pe, partial_floats});
-        const int64_t rows = static_cast<int64_t>(t.te - t.tb) * g_.group * g_.num_kv_heads;
-        for (int p = t.pb; p < t.pe; ++p) {
-          units_.push_back({t.seq, t.tb, t.te, 0, g_.num_kv_heads, p, p + 1, partial_floats});
-          partial_floats += rows * (g_.v_head_dim + 2);
-        }
-        continue;
-      }
-      for (int h = 0; h < g_.num_kv_heads; ++h) {
-        if (!split || t.pe - t.pb == 1) {
-          units_.push_back({t.seq, t.tb, t.te, h, 1, t.pb, t.pe, -1});
-          continue;
-        }
-        // Partials of consecutive partitions lie back to back from here.
-        merges_.push_back({t.seq, t.tb, t.te, h, 1, t.pb, t.pe, partial_floats});
-        const int64_t rows = (t.te - t.tb) * g_.group;
-        for (int p = t.pb; p < t.pe; ++p) {
-          units_.push_back({t.seq, t.tb, t.te, h, 1, p, p + 1, partial_floats});
-          partial_floats += rows * (g_.v_head_dim + 2);
-        }
-      }
-    }
-    partials_.resize(partial_floats);
   }
 
   void run_unit(const Unit& u) {
@@ -262,6 +162,22 @@ class CpuPagedAttention {
     }
   }
 
+  // L2 prefetch of `rows` cache rows of `width` elements, `stride` apart:
+  // decode reads each block's rows of a head once, in pieces too short for
+  // the hardware prefetchers. With the value rows of the step being scored
+  // and the next block's key rows: decode over 30 layers' caches, batch 1
+  // 5.0-6.0 -> 4.8-5.3 ms, batch 8 31-37 -> 27 ms (docs/benchmarks.md,
+  // "Where the gap is"); an L1 hint measured no better.
+  static void prefetch_rows(const C* first, int64_t stride, int rows, int width) {
+    const int64_t bytes = width * static_cast<int64_t>(sizeof(C));
+    for (int i = 0; i < rows; ++i) {
+      const char* r = reinterpret_cast<const char*>(first + i * stride);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(r + b, 0, 2);
+      }
+    }
+  }
+
   // Loads keys [p0, p1) of one cache block transposed into sc.kt's lanes
   // from `col` (head_dim rows of kp_; the lanes up to the next multiple of 16
   // past them zero) and appends their value segment: the cache's own rows
@@ -292,6 +208,10 @@ class CpuPagedAttention {
       transpose_keys(rows, D, sc.kt.data() + col + g0, kp_);
     }
     const int64_t v_row0 = block_id * g_.v_st[0] + (p0 - b0) * g_.v_st[1] + kv_head * g_.v_st[2];
+    // This head's value rows of these keys, into L2 while the step's keys
+    // are transposed and scored: the accumulation reads them from memory
+    // otherwise (perf put the step's stall on those loads).
+    prefetch_rows(v_ + v_row0, g_.v_st[1], n, Dv);
     if constexpr (std::is_same_v<C, float>) {
       // Float32 rows of whole vectors are read in place: no copy.
       if (g_.v_st[3] == 1 && dvp_ == Dv) {
@@ -315,10 +235,10 @@ class CpuPagedAttention {
     std::fill(sc.part_acc.begin(), sc.part_acc.begin() + rows * dvp_, 0.0f);
     std::fill(sc.part_state.begin(), sc.part_state.begin() + rows, RowState{kNegInf, 0.0f});
 
-    const int first_pos = row_pos(u.seq, u.tok_begin);
-    const int last_pos = row_pos(u.seq, u.tok_end - 1);
-    const int key_lo = std::max(part * kPartition, row_lo(first_pos));
-    const int key_hi = std::min((part + 1) * kPartition, row_hi(u.seq, last_pos));  // exclusive
+    const int first_pos = keys_.pos(u.seq, u.tok_begin);
+    const int last_pos = keys_.pos(u.seq, u.tok_end - 1);
+    const int key_lo = std::max(part * kPartition, keys_.lo(first_pos));
+    const int key_hi = std::min((part + 1) * kPartition, keys_.hi(u.seq, last_pos));  // exclusive
     if (key_lo >= key_hi) {
       return;
     }
@@ -343,6 +263,9 @@ class CpuPagedAttention {
     sc.nseg = 0;
     for (int b = p0 / bs; b * bs < p1; ++b) {
       const int q0 = std::max(p0, b * bs), q1 = std::min(p1, (b + 1) * bs);
+      if ((b + 1) * bs < p1) {  // the step's next block's key rows of this head, into L2
+        prefetch_rows(k_ + table[(b + 1) * g_.bt_st[1]] * g_.k_st[0] + kv_head * g_.k_st[2], g_.k_st[1], bs, D);
+      }
       load_block(table[b * g_.bt_st[1]], b * bs, q0, q1, kv_head, q0 - c0, sc);
     }
     const int ng = (p1 - c0 + kLanes - 1) / kLanes;
@@ -350,9 +273,9 @@ class CpuPagedAttention {
     // Rows that see none of these keys (the first rows of a causal tile
     // against its last keys, rows whose window ended) are not scored.
     int r_first = 0;
-    while (r_first < rows && row_hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
+    while (r_first < rows && keys_.hi(u.seq, first_pos + r_first / g_.group) <= p0) ++r_first;
     int r_end = rows;
-    while (r_end > r_first && row_lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
+    while (r_end > r_first && keys_.lo(first_pos + (r_end - 1) / g_.group) >= p1) --r_end;
     if (r_first >= r_end) {
       return;
     }
@@ -361,7 +284,7 @@ class CpuPagedAttention {
 
     for (int r = r_first; r < r_end; ++r) {
       const int pos = first_pos + r / g_.group;
-      const int lo = std::max(p0, row_lo(pos)) - c0, hi = std::min(p1, row_hi(u.seq, pos)) - c0;
+      const int lo = std::max(p0, keys_.lo(pos)) - c0, hi = std::min(p1, keys_.hi(u.seq, pos)) - c0;
       sc.lo[base + r] = lo;
       sc.hi[base + r] = hi;
       if (lo < hi) {
@@ -443,11 +366,11 @@ class CpuPagedAttention {
   int64_t sinks_stride_;
   PagedAttentionParams p_;
   Geometry g_;
-  const std::vector<int>& seq_lens_;
   const std::vector<int>& cu_;
   const int dvp_;    // v_head_dim padded to whole vectors
   const int chunk_;  // keys per softmax step (absolute, aligned ranges): kChunkKeys or a block
   const int kp_;     // a step's keys padded to whole vectors, plus one (row stride of kt, scores)
+  const RowKeys keys_;  // which keys each query row sees
   std::vector<Unit> units_, merges_;
   std::vector<float> partials_;
 };
