@@ -13,7 +13,9 @@ next step and processes the previous step's output while this one computes.
 A step is finished (waited for, sampled) when its output is asked for or,
 at the latest, when the next execute_model arrives -- always before the
 persistent batch changes, so the tokens, the order of random draws and the
-logits processors' state are exactly those of synchronous scheduling.
+logits processors' state are exactly those of synchronous scheduling. On
+MLX's CPU device a step starts only once the previous step's output is
+handed over (mx.async_eval blocks there until near the step's end).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.sampler import Sampler
 
@@ -40,7 +42,7 @@ from vllm_metal.engine.pooling_runner import PoolingSide
 from vllm_metal.engine.sampling import greedy_in_graph, only_builtin_logitsprocs
 from vllm_metal.engine.state_align import AlignedStateIndex
 from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
-from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep, collect, sample_step
+from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep, collect, connector_output, sample_step
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
 from vllm_metal.models.fused_projections import fuse_projections_enabled
@@ -61,7 +63,6 @@ class MetalModelRunner:
         self.model_config = vllm_config.model_config
         self.device = device
         self.sync_per_layer = envs.get_bool("VLLM_METAL_SYNC_PER_LAYER")
-        # vLLM decides (on by default, --no-async-scheduling): see the module docstring.
         self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.is_pooling = self.model_config.runner_type == "pooling"
@@ -77,6 +78,7 @@ class MetalModelRunner:
             envs.get_bool("VLLM_METAL_SAMPLE_IN_GRAPH")
         self.steps_sampled_in_graph = 0
         self.tokens_fed = 0  # input tokens read from the previous step's graph (instrumentation)
+        self.steps_deferred = 0  # steps started after the previous step's output was handed over
         self.mlx_model: LoadedModel | None = None
         self.kv: PagedKVCache | None = None
         self.block_sizes: list[int] = []
@@ -200,7 +202,7 @@ class MetalModelRunner:
         if self.adapters is not None:
             self.adapters.trace()  # the projections the model's code calls: what an adapter may target
         try:
-            logits = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
+            logits, _ = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
             mx.eval(logits if logits is not None else [], self.kv.arrays())
             if self.adapters is not None:
                 self.adapters.seal()
@@ -229,11 +231,12 @@ class MetalModelRunner:
         mx.async_eval(*arrays)
 
     def _forward(self, inputs, logit_rows: np.ndarray, argmax: bool = False,
-                 after: mx.array | None = None) -> mx.array | None:
+                 after: mx.array | None = None, defer: bool = False):
         """The whole model over the packed step as one graph, its evaluation
-        started (awaited unless async scheduling is on); the logits, lazy
-        (None on a pipeline stage before the last: its output is sent), or
-        with `argmax` each row's greedy token (int32, the logits stay in the graph).
+        started (awaited unless async scheduling is on) or, with `defer`,
+        returned as a callable that starts it (PendingStep.launch); the
+        logits, lazy (None on a pipeline stage before the last: its output is
+        sent), or with `argmax` each row's greedy token (int32, the logits stay in the graph).
 
         `after`: the previous step's tokens, which this graph reads (token
         feed). The graph is built while that step computes, but its
@@ -245,16 +248,25 @@ class MetalModelRunner:
         m = self.mlx_model
         # An adapter may target the head: then its tokens come from the model's own logits.
         out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
-        if after is not None:
-            mx.eval(after)
         sends = m.transport.take_pending() if m.transport is not None else []
-        self._start_evaluation(*([out] if out is not None else []), *sends, self.kv.arrays())
-        return out
+        arrays = [*([out] if out is not None else []), *sends, *self.kv.arrays()]
+
+        def launch():
+            if after is not None:
+                mx.eval(after)
+            self._start_evaluation(*arrays)
+
+        if defer:
+            return out, launch
+        launch()
+        return out, None
 
     def execute_model(self, so: SchedulerOutput):
         # The previous step is finished before the batch changes (async
         # scheduling: its output may not have been asked for yet).
         pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.start()
         prev = None  # an unfinished step whose in-graph tokens this step may read (step_rows.py)
         if pending is not None and pending.sample_requested:
             if pending.feeds_tokens and self._may_feed():
@@ -275,13 +287,6 @@ class MetalModelRunner:
         finally:
             connector.clear_connector_metadata()
 
-    def _connector_output(self, so: SchedulerOutput, connector) -> KVConnectorOutput:
-        connector.wait_for_save()
-        results = connector.get_transfer_results(so.finished_req_ids)
-        return KVConnectorOutput(finished_sending=results.finished_sending or None,
-                                 finished_recving=results.finished_recving or None,
-                                 failed_recving=results.failed_recving,
-                                 invalid_block_ids=connector.get_block_ids_with_load_errors())
 
     def _may_feed(self) -> bool:
         """The next step's graph may take this step's tokens from its graph:
@@ -306,7 +311,7 @@ class MetalModelRunner:
             # Nothing to compute: let saves in flight finish now, so finished
             # requests are reported (their blocks freed) before the engine idles.
             connector.fence()
-            return ModelRunnerOutput.with_kv_conn_output_only(self._connector_output(so, connector))
+            return ModelRunnerOutput.with_kv_conn_output_only(connector_output(so, connector))
         failed_loads: set[str] = set()
         if connector is not None:
             connector.start_load_kv(None)
@@ -339,9 +344,10 @@ class MetalModelRunner:
             self.adapters.begin_step([s.lora_request for s in states], np.diff(inputs.cu_seqlens_q))
         argmax = self.sample_in_graph and not plan.prompt_rows and not so.has_structured_output_requests \
             and all(greedy_in_graph(s) for s in states)
+        defer = self.async_scheduling and self.device == "cpu" and connector is None
         try:
-            out = self._forward(inputs, np.array(plan.logit_rows, np.int64), argmax,
-                                prev.tokens_mx if prev is not None else None)
+            out, launch = self._forward(inputs, np.array(plan.logit_rows, np.int64), argmax,
+                                        prev.tokens_mx if prev is not None else None, defer)
         finally:
             if self.adapters is not None:
                 self.adapters.end_step()
@@ -351,13 +357,14 @@ class MetalModelRunner:
             # the last stage samples and answers the engine.
             return None
         step = PendingStep(so, states, plan.discard, plan.prompt_rows, None if argmax else out,
-                           tokens_mx=out if argmax else None, prev=prev)
+                           tokens_mx=out if argmax else None, prev=prev, launch=launch)
         self.steps_sampled_in_graph += argmax
+        self.steps_deferred += launch is not None
         if not self.async_scheduling and not argmax:
             collect(step, self.kv.arrays(), self.vocab_size, self.model_config.logprobs_mode)
         # A disk save reads the written blocks: it waits for the evaluation
         # (the platform keeps async scheduling off with a connector).
-        step.kv_connector_output = self._connector_output(so, connector) if connector is not None else None
+        step.kv_connector_output = connector_output(so, connector) if connector is not None else None
         self._pending = step
         return None  # the engine calls sample_tokens next
 
@@ -380,6 +387,7 @@ class MetalModelRunner:
             if step.prev is not None:
                 prev, step.prev = step.prev, None
                 self._finish(prev)
+            step.start()
             if step.output is None and step.error is None:
                 try:
                     step.output = sample_step(self, step)

@@ -6,7 +6,7 @@ scheduling."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +38,9 @@ class PendingStep:
     # The step whose in-graph tokens this step's graph reads (token feed,
     # engine/step_rows.py): finished (its tokens appended) before this one.
     prev: PendingStep | None = None
+    # Starts the step's evaluation when it was deferred (model_runner: async
+    # scheduling on MLX's CPU device); None once started.
+    launch: Callable[[], None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
     # Filled when the logits reach the host (collect):
     logits: torch.Tensor | None = None  # [num_rows, vocab]: each row's last token
@@ -53,6 +56,12 @@ class PendingStep:
         """Its tokens exist in the graph before they reach the host: a next
         step may read them there (only while it is unfinished)."""
         return self.tokens_mx is not None and self.output is None and self.error is None
+
+    def start(self) -> None:
+        """Starts the evaluation if it was deferred (once)."""
+        launch, self.launch = self.launch, None
+        if launch is not None:
+            launch()
 
     def sampling_rows(self) -> dict[str, int]:
         """req_id -> the row of tokens_mx holding that request's new token."""
@@ -129,3 +138,14 @@ class AsyncStepOutput(AsyncModelRunnerOutput):
 
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
         return self._step.kv_connector_output
+
+
+def connector_output(so: SchedulerOutput, connector) -> KVConnectorOutput:
+    """A KV connector's report for the step (vLLM's kv_connector_model_runner_mixin):
+    saves waited for, finished transfers, blocks that failed to load."""
+    connector.wait_for_save()
+    results = connector.get_transfer_results(so.finished_req_ids)
+    return KVConnectorOutput(finished_sending=results.finished_sending or None,
+                             finished_recving=results.finished_recving or None,
+                             failed_recving=results.failed_recving,
+                             invalid_block_ids=connector.get_block_ids_with_load_errors())
