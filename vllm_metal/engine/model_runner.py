@@ -344,7 +344,7 @@ class MetalModelRunner:
             self.adapters.begin_step([s.lora_request for s in states], np.diff(inputs.cu_seqlens_q))
         argmax = self.sample_in_graph and not plan.prompt_rows and not so.has_structured_output_requests \
             and all(greedy_in_graph(s) for s in states)
-        defer = self.async_scheduling and self.device == "cpu" and connector is None
+        defer = self.async_scheduling and self.device == "cpu" and connector is None and self.parallel is None
         try:
             out, launch = self._forward(inputs, np.array(plan.logit_rows, np.int64), argmax,
                                         prev.tokens_mx if prev is not None else None, defer)
