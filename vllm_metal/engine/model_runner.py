@@ -249,7 +249,7 @@ class MetalModelRunner:
         # An adapter may target the head: then its tokens come from the model's own logits.
         out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
         sends = m.transport.take_pending() if m.transport is not None else []
-        arrays = [*([out] if out is not None else []), *sends, *self.kv.arrays()]
+        arrays = [*([out] if out is not None else []), *sends, self.kv.arrays()]  # this step's caches
 
         def launch():
             if after is not None:
