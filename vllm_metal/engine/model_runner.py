@@ -265,8 +265,9 @@ class MetalModelRunner:
         # The previous step is finished before the batch changes (async
         # scheduling: its output may not have been asked for yet).
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.start()
+        if pending is not None:  # a deferred start (one rank: the engine's own thread, MLX's streams are per thread)
+            with self._finish_lock:
+                pending.start()
         prev = None  # an unfinished step whose in-graph tokens this step may read (step_rows.py)
         if pending is not None and pending.sample_requested:
             if pending.feeds_tokens and self._may_feed():
@@ -286,7 +287,6 @@ class MetalModelRunner:
             return self._execute(so, connector, prev)
         finally:
             connector.clear_connector_metadata()
-
 
     def _may_feed(self) -> bool:
         """The next step's graph may take this step's tokens from its graph:
