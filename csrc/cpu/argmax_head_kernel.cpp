@@ -49,7 +49,7 @@ constexpr int64_t kChunk = 256;  // vocabulary rows per task
 // The next tile's vocabulary rows are prefetched into L2 one cache line
 // (16 floats) per row for each line of this tile's rows read: a vocabulary
 // row is a stream too short for the hardware prefetchers (the BLAS shim's
-// one-row kernel does the same, csrc/blas_few_rows.c).
+// one-row kernel does the same, csrc/blas_few_rows_kernels.h).
 constexpr int64_t kLineFloats = 16;
 
 inline hv hload(const float* p) {

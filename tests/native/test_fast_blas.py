@@ -1,4 +1,4 @@
-"""The BLAS shim (csrc/blas_shim.c, its few-row kernel csrc/blas_few_rows.c, vllm_metal/native/fast_blas.py): MLX's CPU matmuls
+"""The BLAS shim (csrc/blas_shim.c, its few-row kernels csrc/blas_few_rows_kernels.h and their pool csrc/blas_few_rows.c, vllm_metal/native/fast_blas.py): MLX's CPU matmuls
 are really bound to it and forwarded to numpy's OpenBLAS, and the results match
 a float64 reference within float32 error for every shape class the shim treats
 differently: one or two rows (forwarded to sgemv), one column, a few rows, many rows,
