@@ -116,6 +116,9 @@ def capabilities() -> dict:
     from vllm_metal.pooling.serving_config import pooling_capability
 
     report["pooling"] = pooling_capability()
+    from vllm_metal.speculative.serving_config import speculative_capability
+
+    report["speculative"] = speculative_capability()
     report["problems"] = problems
     report["can_serve"] = not problems
     return report

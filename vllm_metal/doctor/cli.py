@@ -49,6 +49,10 @@ def format_report(r: dict) -> str:
         lora = r["lora"]
         lines.append(f"lora        served (--enable-lora): {'; '.join(lora['formats'])}; {lora['batching']}")
         lines.append(f"            refused: {'; '.join(lora['refused'])}")
+    if r.get("speculative"):
+        spec = r["speculative"]
+        lines.append(f"speculative served (--speculative-config method {', '.join(spec['served'])}): {spec['how']}")
+        lines.append(f"            refused: {'; '.join(spec['refused'])}")
     lines.append(f"plugin      {'active' if r['plugin']['active'] else 'inactive'}: {r['plugin']['reason']}")
     lines.append("cuda paths  (inert: turned off with a warning; refused: asking for it is an error)")
     for p in r["cuda_paths"]:

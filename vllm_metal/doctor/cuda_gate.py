@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vllm_metal.speculative.serving_config import refused_method
+
 # Under vLLM's "vllm" logger (its handlers), without importing vLLM: the
 # doctor uses this table on machines without vLLM too.
 logger = logging.getLogger("vllm.vllm_metal.doctor.cuda_gate")
@@ -70,7 +72,8 @@ def _kv_cache_dtype(cfg) -> str | None:
 
 
 def _speculative(cfg) -> str | None:
-    return "--speculative-config" if cfg.speculative_config is not None else None
+    method = refused_method(cfg.speculative_config)
+    return f"--speculative-config method {method!r}" if method is not None else None
 
 
 def _expert_parallel(cfg) -> str | None:
@@ -151,9 +154,11 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
              "error", _kv_cache_dtype),
     CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
              "shared prefixes are reused through prefix caching", "warn"),  # no switch for it in vLLM 0.33
-    CudaPath("speculative_decoding", "speculative decoding (EAGLE/Medusa/MTP/n-gram kernels)",
-             "its draft and rejection kernels target CUDA",
-             "plain decoding; remove --speculative-config", "error", _speculative),
+    CudaPath("speculative_decoding", "speculative decoding other than host n-gram (draft model, EAGLE, MTP, "
+             "Medusa, GPU n-gram, ...)",
+             "their proposers run in vLLM's CUDA runner",
+             "n-gram speculation (`{\"method\": \"ngram\", ...}`: drafts verified in the step's graph), or "
+             "plain decoding", "error", _speculative, kind="unserved"),
     CudaPath("flashinfer_sampler", "FlashInfer top-k/top-p sampler", "a CUDA kernel",
              "vLLM's torch sampler on CPU tensors", "warn", None, ("VLLM_USE_FLASHINFER_SAMPLER",)),
     CudaPath("expert_parallel", "expert parallel / DeepEP / EPLB / dual-batch overlap",

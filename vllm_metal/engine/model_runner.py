@@ -36,12 +36,12 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_metal import envs
 from vllm_metal.adapters.pool import AdapterPool
 from vllm_metal.distributed.plan import ParallelPlan
-from vllm_metal.engine import kv_specs, step_rows
+from vllm_metal.engine import kv_specs, step_rows, warm_up
 from vllm_metal.engine.persistent_batch import PersistentBatch
 from vllm_metal.engine.pooling_runner import PoolingSide
 from vllm_metal.engine.sampling import greedy_in_graph, only_builtin_logitsprocs
 from vllm_metal.engine.state_align import AlignedStateIndex
-from vllm_metal.engine.step_inputs import ScheduledRow, build_step_inputs
+from vllm_metal.engine.step_inputs import build_step_inputs
 from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep, collect, connector_output, sample_step
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
@@ -49,6 +49,7 @@ from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.multimodal.serving import MultimodalStep, build as build_multimodal
 from vllm_metal.multimodal.serving import weights_bytes as weights_bytes_of_tower
+from vllm_metal.speculative.speculator import Speculator
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
@@ -105,6 +106,9 @@ class MetalModelRunner:
         # LoRA adapters (--enable-lora): the loaded ones and each step's deltas (adapters/pool.py).
         self.adapters: AdapterPool | None = None
         self.multimodal: MultimodalStep | None = None  # a vision-language model serving images
+        spec = vllm_config.speculative_config  # --speculative-config: drafts and their verify (speculative/)
+        self.speculator = Speculator(spec, self.model_config.max_model_len, not only_builtin_logitsprocs(
+            self.logitsprocs)) if spec is not None and not self.is_pooling else None
 
     # ---- start-up -------------------------------------------------------
 
@@ -181,39 +185,7 @@ class MetalModelRunner:
                     sum(a.nbytes for a in self.kv.arrays()) / 2**30)
 
     def warm_up(self) -> None:
-        """A small step shaped like real traffic, into the null block: one row
-        prefilling several tokens from position 0, one continuing past a block
-        boundary, one decoding. The first request then pays no lazy set-up,
-        and whatever the adapter cannot do for this model fails here, at
-        start-up, with the model named -- never on a user's request."""
-        if self.pooling is not None:
-            try:
-                self.pooling.warm_up()
-            except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
-                raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model} as a pooling model: a "
-                                   f"warm-up step failed: {type(e).__name__}: {e}") from e
-            return
-        groups = len(self.block_sizes)
-        block = min(self.block_sizes)
-        rows = [ScheduledRow([1, 2, 3, 4], 0, [[0]] * groups),
-                ScheduledRow([5, 6, 7], block - 1, [[0, 0]] * groups),
-                ScheduledRow([8], 2 * block + 5, [[0, 0, 0]] * groups)]
-        inputs = build_step_inputs(rows, self.block_sizes)
-        if self.adapters is not None:
-            self.adapters.trace()  # the projections the model's code calls: what an adapter may target
-        try:
-            logits, _ = self._forward(inputs, inputs.last_token_indices.astype(np.int64))
-            mx.eval(logits if logits is not None else [], self.kv.arrays())
-            if self.adapters is not None:
-                self.adapters.seal()
-        except Exception as e:  # noqa: BLE001 -- reported with the model's name, then start-up stops
-            raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: a warm-up step "
-                               f"(prefill + chunk + decode rows) failed: {type(e).__name__}: {e}") from e
-        if self.sample_in_graph and logits is not None:
-            self.mlx_model.greedy_head()  # its one-time probe at start-up, not in the first greedy step
-        if logits is not None and not np.isfinite(np.array(logits, copy=False)).all():
-            raise RuntimeError(f"vllm-metal cannot serve {self.model_config.model}: the warm-up step gave "
-                               "non-finite logits")
+        warm_up.run(self)
 
     # ---- per step -------------------------------------------------------
 
@@ -298,6 +270,8 @@ class MetalModelRunner:
 
     def _execute(self, so: SchedulerOutput, connector, prev: PendingStep | None = None):
         self.batch.update(so)
+        if self.speculator is not None:
+            self.speculator.forget(so.finished_req_ids)
         if self.state_index is not None:
             self.state_index.forget(so)
         if so.kv_cache_block_copies:  # the prefix cache's copy-on-write, before anything reads the blocks
@@ -319,14 +293,17 @@ class MetalModelRunner:
             # step: it samples nothing (vLLM recomputes it from the bad block).
             failed_loads = connector.failed_load_req_ids
         states = self.batch.states()
+        spec = so.scheduled_spec_decode_tokens
         plan = step_rows.plan(states, so.num_scheduled_tokens, failed_loads,
-                              prev.sampling_rows() if prev is not None else None)
+                              prev.sampling_rows() if prev is not None else None, spec)
         if plan is None:  # a token the feed cannot give: the previous step finishes first
             self.finished_by_next_step += 1
             self._finish(prev)
             prev = None
-            plan = step_rows.plan(states, so.num_scheduled_tokens, failed_loads)
+            plan = step_rows.plan(states, so.num_scheduled_tokens, failed_loads, None, spec)
         rows = plan.rows
+        if plan.padded_rows:
+            self.speculator.count_padding(plan.padded_rows, plan.padded_drafts)
         inputs = build_step_inputs(rows, self.block_sizes, self.group_windows, self.batch.block_table_view())
         if plan.fed_at:
             inputs.token_ids_mx = step_rows.token_ids(inputs.token_ids, plan.fed_at, plan.fed_from, prev.tokens_mx)
@@ -357,7 +334,7 @@ class MetalModelRunner:
             # the last stage samples and answers the engine.
             return None
         step = PendingStep(so, states, plan.discard, plan.prompt_rows, None if argmax else out,
-                           tokens_mx=out if argmax else None, prev=prev, launch=launch)
+                           tokens_mx=out if argmax else None, prev=prev, launch=launch, verify=plan.verify)
         self.steps_sampled_in_graph += argmax
         self.steps_deferred += launch is not None
         if not self.async_scheduling and not argmax:
@@ -377,6 +354,10 @@ class MetalModelRunner:
             return AsyncStepOutput(self, step)
         self._pending = None
         return self._finish(step)
+
+    def take_draft_token_ids(self):
+        """The drafts proposed after the last step (vLLM's GPU runner's contract; None without speculation)."""
+        return self.speculator.take() if self.speculator is not None else None
 
     def _finish(self, step: PendingStep) -> ModelRunnerOutput:
         """Waits for the step, samples it and builds its output, once (after

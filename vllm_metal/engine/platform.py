@@ -232,6 +232,9 @@ class MetalPlatform(Platform):
         from vllm_metal.pooling.serving_config import check_pooling_config
 
         check_pooling_config(vllm_config)  # --runner pooling: what it may be combined with
+        from vllm_metal.speculative.serving_config import check_speculative_config
+
+        check_speculative_config(vllm_config)  # --speculative-config: the methods served (speculative/)
         # Async scheduling stays vLLM's choice (on by default): the runner
         # starts a step's evaluation and lets the engine schedule the next
         # step meanwhile (model_runner.py); not with a KV connector (below).

@@ -5,7 +5,7 @@ scheduling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -18,6 +18,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm_metal.engine import prompt_logprobs
 from vllm_metal.engine.persistent_batch import RequestState
 from vllm_metal.engine.sampling import sample
+from vllm_metal.speculative.speculator import VerifyRow
 
 if TYPE_CHECKING:
     from vllm_metal.engine.model_runner import MetalModelRunner
@@ -42,8 +43,10 @@ class PendingStep:
     # scheduling on MLX's CPU device); None once started.
     launch: Callable[[], None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    verify: list[VerifyRow] = field(default_factory=list)  # rows with drafts (speculative/)
     # Filled when the logits reach the host (collect):
     logits: torch.Tensor | None = None  # [num_rows, vocab]: each row's last token
+    target_logits: torch.Tensor | None = None  # [drafts, vocab]: the verified rows' draft positions
     prompt_logprobs: dict[str, LogprobsTensors | None] | None = None
     # Set by sample_tokens / finish:
     sample_requested: bool = False
@@ -88,24 +91,33 @@ def collect(step: PendingStep, kv_arrays, vocab_size: int, logprobs_mode) -> Non
     # A view, not a copy: the first rows of the step's own logits buffer (MLX's, writable,
     # kept alive by the tensor), which grammar masks and the sampler may edit in place.
     step.logits = logits[:len(step.states)]
+    step.target_logits = logits[cursor:] if step.verify else None
 
 
 def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutput:
     """The step's tokens (from the graph, or vLLM's Sampler on its logits),
     appended to each request's state, as vLLM's ModelRunnerOutput."""
     states, logprobs = step.states, None
+    target_argmax = target_logits = None
     if step.tokens_mx is not None:
         # tolist() waits for the evaluation (only this array: it is all the host needs).
-        sampled = [[t] for t in step.tokens_mx.tolist()]
+        ids = step.tokens_mx.tolist()
+        sampled, target_argmax = [[t] for t in ids[:len(states)]], ids[len(states):]
         step.tokens_mx = None
     else:
         collect(step, runner.kv.arrays(), runner.vocab_size, runner.model_config.logprobs_mode)
         if step.grammar_output is not None:
-            apply_grammar_bitmask(step.scheduler_output, step.grammar_output, runner.batch, step.logits)
+            # One logits row per request here (a verified row's draft positions sit after
+            # all rows, and requests with a grammar never draft): vLLM's layout without drafts.
+            so = replace(step.scheduler_output, scheduled_spec_decode_tokens={})
+            apply_grammar_bitmask(so, step.grammar_output, runner.batch, step.logits)
         out = sample(runner.sampler, step.logits, states, step.discard, runner.vocab_size, runner.logitsprocs)
         sampled = out.sampled_token_ids.tolist()
         logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
-        step.logits = None
+        target_logits, step.logits, step.target_logits = step.target_logits, None, None
+    spec = runner.speculator
+    if step.verify:  # accepted drafts + one token (speculative/rejection.py)
+        sampled = spec.accept(step.verify, states, sampled, target_argmax, target_logits)
     tokens: list[list[int]] = []
     for state, row, dropped in zip(states, sampled, step.discard):
         if dropped:
@@ -113,6 +125,8 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
             continue
         state.output_token_ids.extend(row)
         tokens.append(row)
+    if spec is not None:  # the next step's drafts, handed over by take_draft_token_ids
+        spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule)
     req_ids = [state.req_id for state in states]
     return ModelRunnerOutput(
         req_ids=req_ids,

@@ -9,6 +9,10 @@ it from N's token array inside N+1's graph, so N+1 is built and queued
 while N computes -- as vLLM's GPU runner copies the previous step's sampled
 ids on the device. Anything else (more than one unknown token, or a request
 N did not sample) is answered by finishing N first (`plan` returns None).
+
+Speculative decoding: a request with drafts runs its last token plus the
+drafts as one row (query length k + 1); every position of it is scored
+(the target rows, after the prompt-score rows) and speculative/ verifies them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from vllm_metal.engine import prompt_logprobs
 from vllm_metal.engine.persistent_batch import RequestState
 from vllm_metal.engine.step_inputs import ScheduledRow
+from vllm_metal.speculative.speculator import VerifyRow
 
 
 @dataclass
@@ -31,18 +36,42 @@ class StepRows:
     prompt_rows: list[tuple[RequestState, int, int]] = field(default_factory=list)  # (state, start, rows)
     fed_at: list[int] = field(default_factory=list)  # packed token indices read from the previous step
     fed_from: list[int] = field(default_factory=list)  # ... and the row of its tokens each comes from
+    verify: list[VerifyRow] = field(default_factory=list)  # rows with drafts (speculative decoding)
+    padded_rows: int = 0  # rows vLLM padded with placeholder drafts (-1), run as plain rows
+    padded_drafts: int = 0
 
 
 def plan(states: list[RequestState], num_scheduled: dict[str, int], failed_loads: set[str],
-         prev_rows: dict[str, int] | None = None) -> StepRows | None:
+         prev_rows: dict[str, int] | None = None, spec: dict[str, list[int]] | None = None) -> StepRows | None:
     """prev_rows: req_id -> row of the unfinished previous step's in-graph
-    tokens (None: every token is known on the host). None when a row needs
-    a token that feed cannot give."""
-    out, offset, extra = StepRows(), 0, []
-    for state in states:
+    tokens (None: every token is known on the host). spec: vLLM's
+    scheduled_spec_decode_tokens. None when a row needs a token that feed
+    cannot give."""
+    out, offset, extra, targets = StepRows(), 0, [], []
+    for i, state in enumerate(states):
         n = num_scheduled[state.req_id]
         start, known = state.num_computed_tokens, state.num_tokens
-        if start + n > known:  # the token the previous step is sampling
+        drafts = spec.get(state.req_id) if spec else None
+        padding = False
+        if drafts:
+            k = len(drafts)
+            if start + n - k != known:
+                if prev_rows is not None:  # its last token is still being sampled: finish that step first
+                    return None
+                raise RuntimeError(f"request {state.req_id}: {k} drafts scheduled after position {start + n - k}"
+                                   f" with {known} tokens known")
+            # Drafts of -1 are placeholders (vLLM pads a new decode row to 1 + k
+            # tokens; an invalid draft): run as token 0, never accepted.
+            out.rows.append(ScheduledRow(state.tokens(start, known) + [max(d, 0) for d in drafts], start))
+            padding = all(d < 0 for d in drafts)
+            if padding:  # a plain row whose tail is ignored: its token from the real next position
+                out.padded_rows += 1
+                out.padded_drafts += k
+                n -= k
+            elif state.req_id not in failed_loads:  # a failed KV load samples nothing (discarded below)
+                out.verify.append(VerifyRow(i, len(targets), tuple(drafts)))
+                targets.extend(range(offset + n - k - 1, offset + n - 1))  # the positions predicting each draft
+        elif start + n > known:  # the token the previous step is sampling
             if prev_rows is None or start + n != known + 1 or state.req_id not in prev_rows:
                 return None
             out.rows.append(ScheduledRow(state.tokens(start, known) + [0], start))
@@ -57,8 +86,9 @@ def plan(states: list[RequestState], num_scheduled: dict[str, int], failed_loads
         if m:
             out.prompt_rows.append((state, start, m))
             extra.extend(range(offset, offset + m))  # after every row's last token
-        offset += n
+        offset += n + (len(drafts) if padding else 0)
     out.logit_rows.extend(extra)
+    out.logit_rows.extend(targets)
     return out
 
 

@@ -201,7 +201,7 @@ class MetalWorker(WorkerBase):
         return pool
 
     def take_draft_token_ids(self):
-        return None
+        return self.model_runner.take_draft_token_ids() if self.model_runner is not None else None
 
     def reset_encoder_cache(self) -> None:
         """Called by the engine when it pauses with cache clearing; text

@@ -1,0 +1,201 @@
+"""N-gram speculative decoding through vLLM's engine (`--speculative-config`).
+
+Greedy output with speculation is the output without it, token for token
+(the golden tokens, mlx-lm's, where the prompt has them), with 8 concurrent
+requests of mixed lengths, an early stop and preemption; the options that
+keep a request from drafting (logprobs, penalties, a grammar) and those
+that do not (prompt logprobs, n > 1, min_tokens) give their plain outputs;
+seeded random sampling keeps the target distribution (chi-square against
+the exact top-k distribution of the same weights); the runner's counts are
+vLLM's spec-decode metrics; what is not served is refused at start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import GOLDEN, engine, runner_of
+from test_rejection import chi_square_p
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# Copying invites drafts: a passage, then its start again.
+COPY = GOLDEN[7]["prompt_ids"] + GOLDEN[7]["prompt_ids"][:40]
+STOP_AT = next(j for j, t in enumerate(GOLDEN[5]["greedy_ids"]) if j >= 3 and t not in GOLDEN[5]["greedy_ids"][:j])
+
+
+def greedy_workload():
+    prompts = [g["prompt_ids"] for g in GOLDEN[:7]] + [COPY]
+    params = [SamplingParams(temperature=0, max_tokens=32 - 3 * i, ignore_eos=True) for i in range(7)]
+    params[5] = SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[GOLDEN[5]["greedy_ids"][STOP_AT]])
+    params.append(SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    return prompts, params
+
+
+def options_workload():
+    """(prompt, params, drafts): whether the request may draft."""
+    json_like = StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{3,12}){2,5}")
+    return [
+        (COPY, SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True), False),
+        (COPY, SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.5, ignore_eos=True), False),
+        (COPY, SamplingParams(temperature=0, max_tokens=24, structured_outputs=json_like), False),
+        (COPY, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1, ignore_eos=True), True),
+        # n > 1 samples randomly; top-k 1 makes its target one-hot: the greedy tokens, twice
+        (COPY, SamplingParams(temperature=1.0, top_k=1, seed=5, max_tokens=24, n=2, ignore_eos=True), True),
+        (COPY, SamplingParams(temperature=0, max_tokens=24, min_tokens=6, ignore_eos=False), True),
+    ]
+
+
+def generate(llm, prompts, params):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [[(list(c.token_ids), c.finish_reason,
+              None if c.logprobs is None else [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+             for c in o.outputs] + [o.prompt_logprobs] for o in outs]
+
+
+def metrics(llm) -> dict:
+    got = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
+            got[m.name] = m.value
+    return got
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    out = {}
+    prompts, params = greedy_workload()
+    options = options_workload()
+    for spec in (None, NGRAM):
+        with engine(model_dir, speculative_config=spec, disable_log_stats=False, max_num_seqs=8) as llm:
+            key = "spec" if spec else "plain"
+            out[key, "greedy"] = generate(llm, prompts, params)
+            if spec:
+                s = runner_of(llm).speculator
+                out["counts"] = s.drafted, s.accepted, s.verified_rows
+                out["metrics"] = metrics(llm)
+            out[key, "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
+            if spec:
+                out["drafted_by_options"] = runner_of(llm).speculator.drafted - out["counts"][0]
+    return out
+
+
+def test_greedy_with_ngram_is_the_golden_output(runs):
+    spec, plain = runs["spec", "greedy"], runs["plain", "greedy"]
+    _, params = greedy_workload()
+    for i in range(7):
+        tokens, reason, _ = spec[i][0]
+        want = GOLDEN[i]["greedy_ids"][:STOP_AT + 1] if i == 5 else GOLDEN[i]["greedy_ids"][:params[i].max_tokens]
+        assert tokens == want, i
+        assert (reason == "stop") == (i == 5)
+    assert spec[7][0][0] == plain[7][0][0] and len(spec[7][0][0]) == 48
+    drafted, accepted, rows = runs["counts"]
+    assert accepted > 10 and drafted - accepted > 10, runs["counts"]  # drafts kept and drafts rejected
+
+
+def test_counts_are_vllms_spec_decode_metrics(runs):
+    drafted, accepted, rows = runs["counts"]
+    m = runs["metrics"]
+    assert m["vllm:spec_decode_num_draft_tokens"] == drafted
+    assert m["vllm:spec_decode_num_accepted_tokens"] == accepted
+    assert m["vllm:spec_decode_num_drafts"] == rows
+    assert accepted <= drafted
+
+
+def test_options_give_their_plain_outputs(runs):
+    spec, plain = runs["spec", "options"], runs["plain", "options"]
+    for i, (s, p) in enumerate(zip(spec, plain)):
+        for (st, sr, slp), (pt, pr, plp) in zip(s[:-1], p[:-1]):
+            assert st == pt and sr == pr, i
+            assert (slp is None) == (plp is None)
+            for g, w in zip(slp or [], plp or []):
+                assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
+        if s[-1] is not None:  # prompt logprobs
+            for g, w in zip(s[-1][1:], p[-1][1:]):
+                assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
+    assert runs["drafted_by_options"] > 0  # the requests that may draft did
+
+
+def test_preemption_and_copies_through_a_tiny_cache(model_dir):
+    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
+    base = GOLDEN[-1]["prompt_ids"][:80]
+    prompts = [(base * 3)[:16 * (10 + i % 3) - 1] for i in range(8)]  # repetitive: drafts match
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = {}
+    for spec in (None, NGRAM):
+        with engine(model_dir, speculative_config=spec, kv_cache_memory_bytes=48 * bytes_per_block,
+                    max_num_seqs=8, max_model_len=512, enable_prefix_caching=False) as llm:
+            got[spec is not None] = generate(llm, prompts, params)
+            runner = runner_of(llm)
+            if spec:
+                assert runner.batch.num_resumed > 0, "the tiny cache should have forced preemptions"
+                assert runner.speculator.accepted > 0
+    assert got[True] == got[False]
+
+
+def test_seeded_random_sampling_keeps_the_target_distribution(model_dir):
+    """Two tokens from a copy prompt at temperature 1, top-k 5, 300 seeds:
+    the second token comes out of a verified row (drafts from the first);
+    the joint counts against N p(t1) p(t2 | t1), the exact top-5
+    distributions of the same weights (vLLM's raw logprobs, no speculation)."""
+    n, k = 300, 5
+    with engine(model_dir, max_num_seqs=8) as llm:
+        def top(prompt):
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                               SamplingParams(temperature=0, max_tokens=1, logprobs=k), use_tqdm=False)
+            d = out[0].outputs[0].logprobs[0]
+            ids = sorted(d, key=lambda t: -d[t].logprob)[:k]
+            lp = np.array([d[t].logprob for t in ids], np.float64)
+            return ids, np.exp(lp - lp.max()) / np.exp(lp - lp.max()).sum()
+        first_ids, p1 = top(COPY)
+        joint = {(a, b): pa * pb for a, pa in zip(first_ids, p1) for b, pb in zip(*top(COPY + [a]))}
+    with engine(model_dir, speculative_config=NGRAM) as llm:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=COPY)] * n,
+                            [SamplingParams(temperature=1.0, top_k=k, seed=i, max_tokens=2, ignore_eos=True)
+                             for i in range(n)], use_tqdm=False)
+        s = runner_of(llm).speculator
+        assert s.verified_rows >= n // 2 and 0 < s.accepted < s.drafted, (s.verified_rows, s.accepted, s.drafted)
+    pairs = list(joint)
+    counts = np.zeros(len(pairs))
+    for o in outs:
+        counts[pairs.index(tuple(o.outputs[0].token_ids))] += 1
+    assert chi_square_p(counts, n * np.array([joint[p] for p in pairs])) > 1e-3
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"method": "ngram", "num_speculative_tokens": 129, "prompt_lookup_max": 3},
+     r"num_speculative_tokens must be between 1 and 128 \(got 129\)"),
+    ({"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 3},
+     r"num_speculative_tokens\s+Input should be greater than 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "rejection_sample_method": "fly"},
+     r"rejection_sample_method 'fly' is not served by vllm-metal"),
+    ({"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2},
+     r"method 'draft_model' asks for speculative decoding other than host n-gram .*vllm-metal does not serve"
+     r".*Instead: n-gram speculation"),
+])
+def test_what_is_not_served_is_refused_at_start(model_dir, spec, message):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {k: (v.format(model=model_dir) if isinstance(v, str) else v) for k, v in spec.items()}
+    with pytest.raises(Exception, match=message):
+        EngineArgs(model=model_dir, max_model_len=512, speculative_config=spec).create_engine_config()
+
+
+def test_speculation_across_ranks_is_refused(model_dir):
+    from types import SimpleNamespace
+
+    from vllm_metal.speculative.serving_config import refusal
+
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=2,
+                                                             rejection_sample_method="standard"),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+                          model_config=None, kv_transfer_config=None)
+    assert "one rank" in refusal(cfg)
+    cfg.parallel_config.tensor_parallel_size = 1
+    cfg.model_config = SimpleNamespace(is_hybrid=True)
+    assert "recurrent" in refusal(cfg)

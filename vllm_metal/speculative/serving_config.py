@@ -1,0 +1,77 @@
+"""What `--speculative-config` may ask for here, checked in the API and
+engine processes before anything loads (no MLX import: the platform runs it).
+
+Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max,
+num_speculative_tokens up to vLLM's rejection-sampler limit of 128, its
+per-batch-size schedule). Refused with the alternative: proposers that are
+models (draft model, EAGLE, MTP, Medusa, ...), rejection methods other
+than vLLM's standard one, speculation across tensor / pipeline parallel
+ranks, over linear-attention (recurrent) state, with images or with a KV
+connector.
+"""
+
+from __future__ import annotations
+
+# vLLM's rejection sampler verifies at most this many drafts per request a step.
+MAX_DRAFTS = 128
+
+SERVED_METHODS = ("ngram",)
+
+
+def refused_method(spec_config) -> str | None:
+    """The method, when it is one vllm-metal does not serve (cuda_gate's row)."""
+    if spec_config is None or spec_config.method in SERVED_METHODS:
+        return None
+    return str(spec_config.method)
+
+
+def refusal(vllm_config) -> str | None:
+    """Why this speculative config cannot be served (None: it can, or there is none)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    method = refused_method(spec)
+    if method is not None:
+        alt = "method 'ngram': the same prompt lookup, on the host" if method == "ngram_gpu" else \
+            "method 'ngram' (prompt lookup)"
+        return (f"speculative decoding with method {method!r} is not served by vllm-metal yet (its proposer "
+                f"runs a model in vLLM's CUDA runner); use {alt}, or drop --speculative-config")
+    k = spec.num_speculative_tokens
+    if k is None or not 1 <= k <= MAX_DRAFTS:
+        return f"--speculative-config num_speculative_tokens must be between 1 and {MAX_DRAFTS} (got {k})"
+    if getattr(spec, "rejection_sample_method", "standard") != "standard":
+        return (f"--speculative-config rejection_sample_method {spec.rejection_sample_method!r} is not served by "
+                "vllm-metal: drop it (the standard rejection sampler keeps the target distribution)")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (f"vllm-metal serves speculative decoding on one rank: --speculative-config with tensor parallel "
+                f"{parallel.tensor_parallel_size} / pipeline parallel {parallel.pipeline_parallel_size} is "
+                "refused; serve on one Mac, or across ranks without speculation")
+    model = vllm_config.model_config
+    if model is not None and model.is_hybrid:
+        return ("speculative decoding over linear-attention (recurrent) state needs a state checkpoint per "
+                "draft, which vllm-metal does not keep yet: serve this hybrid model without --speculative-config")
+    if model is not None and model.is_multimodal_model and not getattr(model.multimodal_config,
+                                                                        "language_model_only", False):
+        return ("vllm-metal does not verify drafts for image requests yet: drop --speculative-config, or serve "
+                "text only (--language-model-only)")
+    if vllm_config.kv_transfer_config is not None:
+        return ("vllm-metal's disk KV cache does not save speculative steps yet: drop --kv-transfer-config or "
+                "--speculative-config")
+    return None
+
+
+def check_speculative_config(vllm_config) -> None:
+    reason = refusal(vllm_config)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def speculative_capability() -> dict:
+    """The doctor's line (`vllm-metal doctor`)."""
+    return {"served": list(SERVED_METHODS),
+            "how": "drafts verified in the step's one graph (a row of query length k + 1), accepted with "
+                   "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution)",
+            "refused": ["model proposers (draft model, EAGLE, MTP, Medusa, ...)", "ngram_gpu (use ngram)",
+                        "rejection methods other than standard", "tensor / pipeline parallel ranks",
+                        "hybrid (recurrent-state) models", "image models", "a KV connector"]}

@@ -1,0 +1,98 @@
+"""What the runner holds under `--speculative-config`: who may draft, each
+verified row's accepted tokens, and the next drafts for the scheduler.
+
+vLLM's contract (its GPU runner's, for a host-side proposer): the scheduler
+sends each request's drafts in `scheduled_spec_decode_tokens` and schedules
+them as extra tokens of the request's row; the runner returns every row's
+accepted drafts plus one token (the scheduler rolls `num_computed_tokens`
+back over the rejected ones, so their KV slots are written again next
+step); after the step the engine asks `take_draft_token_ids` for the drafts
+of the next one. A request drafts only when vLLM's rejection sampler would
+apply nothing beyond temperature, top-k and top-p to its verify positions
+(no penalties, bad words, allowed ids, logit bias, min-p, pending
+min_tokens, logprobs or grammar; no custom logits processor on the server):
+the others decode one token a step, so every request's output is the one
+it gets without speculation (greedy: token for token; random: the same
+distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.sampling_params import SamplingType
+from vllm.v1.outputs import DraftTokenIds
+
+from vllm_metal.speculative import rejection
+from vllm_metal.speculative.ngram import NgramDrafter
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    row: int  # the request's row in the step
+    target: int  # index of its first draft position among the step's target rows
+    drafts: tuple[int, ...]  # as scheduled (-1: padding, always rejected)
+
+
+def may_draft(state) -> bool:
+    p = state.sampling_params
+    return (p is not None and p.sampling_type in (SamplingType.GREEDY, SamplingType.RANDOM,
+                                                  SamplingType.RANDOM_SEED)
+            and p.logprobs is None and p.frequency_penalty == 0 and p.presence_penalty == 0
+            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and not p.allowed_token_ids
+            and not p.logit_bias and not p.min_p and p.structured_outputs is None
+            and (not p.min_tokens or len(state.output_token_ids) >= p.min_tokens))
+
+
+class Speculator:
+    def __init__(self, spec_config, max_model_len: int, custom_logitsprocs: bool):
+        self.k = spec_config.num_speculative_tokens
+        self.drafter = NgramDrafter(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.k,
+                                    max_model_len)
+        self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
+        self._drafts: DraftTokenIds | None = None
+        # Instrumentation (tests, benchmarks): drafts verified, accepted, rows verified.
+        self.drafted = 0
+        self.accepted = 0
+        self.verified_rows = 0
+
+    def accept(self, verify: list[VerifyRow], states, sampled: list[list[int]],
+               target_argmax: list[int] | None, target_logits: torch.Tensor | None) -> list[list[int]]:
+        """`sampled` (one token per row: the bonus) with each verified row's
+        accepted drafts put in front of it, or its replacement token."""
+        out = list(sampled)
+        for v in verify:
+            k, state = len(v.drafts), states[v.row]
+            span = slice(v.target, v.target + k)
+            tokens = rejection.accept(
+                list(v.drafts), state.sampling_params, state.generator, sampled[v.row][0],
+                target_argmax=target_argmax[span] if target_argmax is not None else None,
+                logits=target_logits[span] if target_logits is not None else None)
+            out[v.row] = tokens
+            self.verified_rows += 1
+            self.drafted += k  # counted as vLLM's metrics count them (placeholders too)
+            self.accepted += len(tokens) - 1
+        return out
+
+    def count_padding(self, rows: int, drafts: int) -> None:
+        """Rows vLLM padded with placeholder drafts: run as plain rows, counted as drafts none of which was kept."""
+        self.verified_rows += rows
+        self.drafted += drafts
+
+    def propose(self, states, tokens: list[list[int]], k: int) -> None:
+        """The next step's drafts: for each request that got tokens this step and may draft."""
+        drafts = []
+        for state, new in zip(states, tokens):
+            if not new or not self.enabled or not may_draft(state):
+                drafts.append([])
+                continue
+            drafts.append(self.drafter.propose(state.req_id, state.prompt_token_ids, state.output_token_ids, k))
+        self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
+
+    def take(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts
+
+    def forget(self, req_ids) -> None:
+        self.drafter.forget(req_ids)
