@@ -5,7 +5,7 @@ bytes read per second beside this machine's measured memory-copy bandwidth,
 then a 28-layer write+read graph evaluated once vs with an eval per layer.
 
 `--tiles` instead times the CPU kernel per shape class (decode at batch 1 and
-8, short, prefill) for head dims 64, 128 and 256 in float32, sweeping the
+8, short, speculative decoding's verify rows, prefill) for head dims 64, 128 and 256 in float32, sweeping the
 prefill rows per tile: the measurements behind the table in
 csrc/cpu/paged_attention_tiles.h. `--ext PATH` loads another build of the
 extension (e.g. the previous kernel) to compare.
@@ -126,6 +126,13 @@ TILE_CASES = [  # (name, sequences, new tokens each, context)
     ("decode b1", 1, 1, 1024),
     ("decode b8", 8, 1, 1024),
     ("short b4 x 4", 4, 4, 1024),
+    # Speculative decoding's verify rows: the last token plus k drafts (k + 1 = 2, 5, 8), and the
+    # long drafts of MTP-style proposers (256), against 1024 cached tokens.
+    ("verify b1 x 2", 1, 2, 1024),
+    ("verify b1 x 5", 1, 5, 1024),
+    ("verify b1 x 8", 1, 8, 1024),
+    ("verify b8 x 5", 8, 5, 1024),
+    ("verify b1 x 256", 1, 256, 1024),
     ("prefill 1024", 1, 1024, 1024),
 ]
 PREFILL_ROWS = (16, 32, 64, 128, 256)
@@ -162,7 +169,8 @@ def tiles(args):
         heads, kv_heads = TILE_HEADS[head_dim]
         for name, seqs, new, ctx in TILE_CASES:
             call, flops = tile_case(head_dim, seqs, new, ctx, rng)
-            sweep = PREFILL_ROWS if name.startswith("prefill") and hasattr(ext, "set_cpu_tile_override") else (0,)
+            swept = name.startswith("prefill") or name.endswith("x 256")  # the prefill class: rows per tile
+            sweep = (0, *PREFILL_ROWS) if swept and hasattr(ext, "set_cpu_tile_override") else (0,)
             for r in sweep:
                 if hasattr(ext, "set_cpu_tile_override"):
                     ext.set_cpu_tile_override(r)
