@@ -39,6 +39,7 @@ LONG_FILES = (
     "tests/reliability/test_option_fuzz.py",
     "tests/multimodal/test_images.py",
     "tests/multimodal/test_serve_images.py",
+    "tests/speculative/test_engine_speculation.py",
 )
 
 
