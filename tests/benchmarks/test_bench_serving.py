@@ -19,6 +19,11 @@ def test_every_vllm_system_serves_the_same_model_config():
     cpu_cmd, cpu_env = commands["vllm-cpu"]
     assert cpu_cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cpu_env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and "LD_PRELOAD" not in cpu_env
+    for system in ("vllm-metal-ngram", "vllm-cpu-ngram"):  # the same speculative config on both servers
+        cmd, env = commands[system]
+        assert cmd[-2:] == ["--speculative-config", json.dumps(bs.NGRAM_CONFIG)]
+        assert env == commands[system.removesuffix("-ngram")][1]
+        assert cmd[:-2] == commands[system.removesuffix("-ngram")][0]
     mlx_cmd, _ = commands["mlx-lm"]
     assert mlx_cmd[1].endswith("mlx_lm_server.py") and mlx_cmd[2:4] == ["--model", "/m"]
 
