@@ -26,6 +26,12 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "1 evaluates the graph after every layer (the old eager behaviour) instead of "
         "once per engine step; for ablation and debugging.",
     ),
+    "VLLM_METAL_SPEC_BUDGET": (
+        "1",
+        "1 verifies only the n-gram drafts expected to pay for the rows they add (each request's "
+        "measured acceptance against the step's measured cost per row: speculative/budget.py); 0 "
+        "verifies every draft vLLM's proposer makes, as vLLM does. Same tokens either way.",
+    ),
     "VLLM_METAL_SAMPLE_IN_GRAPH": (
         "1",
         "1 samples a step whose every row is greedy (nothing editing its logits) inside the "

@@ -272,6 +272,7 @@ class MetalModelRunner:
         self.batch.update(so)
         if self.speculator is not None:
             self.speculator.forget(so.finished_req_ids)
+            self.speculator.step_started(so, time.perf_counter())
         if self.state_index is not None:
             self.state_index.forget(so)
         if so.kv_cache_block_copies:  # the prefix cache's copy-on-write, before anything reads the blocks

@@ -5,6 +5,7 @@ scheduling."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -126,7 +127,7 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
         state.output_token_ids.extend(row)
         tokens.append(row)
     if spec is not None:  # the next step's drafts, handed over by take_draft_token_ids
-        spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule)
+        spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule, time.perf_counter())
     req_ids = [state.req_id for state in states]
     return ModelRunnerOutput(
         req_ids=req_ids,

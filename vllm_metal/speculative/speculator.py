@@ -13,7 +13,9 @@ apply nothing beyond temperature, top-k and top-p to its verify positions
 min_tokens, logprobs or grammar; no custom logits processor on the server):
 the others decode one token a step, so every request's output is the one
 it gets without speculation (greedy: token for token; random: the same
-distribution).
+distribution). Of a request's proposed drafts only those the budget
+(budget.py) expects to pay for their rows are sent (VLLM_METAL_SPEC_BUDGET=0:
+all of them, as vLLM does).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_metal import envs
 from vllm_metal.speculative import rejection
+from vllm_metal.speculative.budget import DraftBudget
 from vllm_metal.speculative.ngram import NgramDrafter
 
 
@@ -51,6 +55,9 @@ class Speculator:
         self.drafter = NgramDrafter(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.k,
                                     max_model_len)
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
+        # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
+        self.budget = DraftBudget() if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
+        self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
         # Instrumentation (tests, benchmarks): drafts verified, accepted, rows verified.
         self.drafted = 0
@@ -70,6 +77,8 @@ class Speculator:
                 target_argmax=target_argmax[span] if target_argmax is not None else None,
                 logits=target_logits[span] if target_logits is not None else None)
             out[v.row] = tokens
+            if self.budget is not None:
+                self.budget.observe_verify(state.req_id, k, len(tokens) - 1)
             self.verified_rows += 1
             self.drafted += k  # counted as vLLM's metrics count them (placeholders too)
             self.accepted += len(tokens) - 1
@@ -80,14 +89,27 @@ class Speculator:
         self.verified_rows += rows
         self.drafted += drafts
 
-    def propose(self, states, tokens: list[list[int]], k: int) -> None:
-        """The next step's drafts: for each request that got tokens this step and may draft."""
-        drafts = []
+    def step_started(self, so, now: float) -> None:
+        """Times a step whose every row decodes (one token, or one plus its drafts) for the budget's cost fit."""
+        spec = so.scheduled_spec_decode_tokens
+        drafts = sum(len(d) for d in spec.values())
+        decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) + drafts
+        self._step = (now, so.total_num_scheduled_tokens) if decode_only else None
+
+    def propose(self, states, tokens: list[list[int]], k: int, now: float | None = None) -> None:
+        """The next step's drafts: for each request that got tokens this step
+        and may draft, vLLM's n-gram proposal, kept as far as the budget says it pays."""
+        if self._step is not None and now is not None and self.budget is not None:
+            self.budget.observe_step(self._step[1], now - self._step[0])
+        self._step = None
+        proposals = {}
         for state, new in zip(states, tokens):
-            if not new or not self.enabled or not may_draft(state):
-                drafts.append([])
-                continue
-            drafts.append(self.drafter.propose(state.req_id, state.prompt_token_ids, state.output_token_ids, k))
+            if new and self.enabled and may_draft(state):
+                proposals[state.req_id] = self.drafter.propose(state.req_id, state.prompt_token_ids,
+                                                               state.output_token_ids, k)
+        lengths = {r: len(d) for r, d in proposals.items() if d}
+        keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
+        drafts = [proposals.get(s.req_id, [])[:keep.get(s.req_id, 0)] for s in states]
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
 
     def take(self) -> DraftTokenIds | None:
@@ -96,3 +118,5 @@ class Speculator:
 
     def forget(self, req_ids) -> None:
         self.drafter.forget(req_ids)
+        if self.budget is not None:
+            self.budget.forget(req_ids)

@@ -1,0 +1,86 @@
+"""How many drafts each request verifies next step: the ones expected to pay
+for the rows they add.
+
+A verified draft costs a row of the step (its share of the matmuls, the
+attention and the head) whether it is accepted or not, and is worth one
+token only if it and every draft before it are accepted. Where rows are
+nearly free (a GPU reading the weights once for any small batch; one
+request on a CPU: the few-row kernels) every draft pays; where they are not
+(eight requests on two CPU cores: 40-row products are compute-bound) drafts
+that are likely rejected slow the batch down. vLLM's n-gram proposer has no
+such rule; this one keeps vLLM's drafts, only shortened:
+
+- the step's cost is measured, not assumed: t = base + per_row x rows, a
+  least-squares fit over the recent decode steps (steps with prompt tokens
+  left out); until the fit exists every draft is kept (vLLM's behaviour);
+- each request's acceptance alpha is counted (accepted drafts against rows
+  that ended in a rejection, with a weak prior), and its j-th draft is worth
+  alpha^j expected tokens;
+- drafts are taken best first while each adds more tokens per second than
+  the step makes with those already taken (the ratio tokens / time is
+  maximised greedily: a draft of worth w pays iff w > rate x per_row).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+# The prior on a request's acceptance: PRIOR_ACCEPTED accepted drafts and PRIOR_REJECTED rejections.
+PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
+WINDOW = 64  # decode steps in the cost fit
+MIN_SPREAD = 2.0  # rows' standard deviation the fit needs (else: the last fit, or none)
+
+
+class DraftBudget:
+    def __init__(self):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self.base: float | None = None  # seconds
+        self.per_row: float | None = None  # seconds per row
+        self.accepted: dict[str, float] = {}
+        self.rejected: dict[str, float] = {}
+        self.trimmed = 0  # drafts dropped (instrumentation)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step's rows (requests + drafts) and its time from execute_model to its output."""
+        self.samples.append((rows, seconds))
+        if len(self.samples) < 8:
+            return
+        r = np.array([s[0] for s in self.samples], np.float64)
+        t = np.array([s[1] for s in self.samples], np.float64)
+        if r.std() < MIN_SPREAD:
+            return
+        slope = float(((r - r.mean()) * (t - t.mean())).sum() / ((r - r.mean()) ** 2).sum())
+        if slope > 0:
+            self.per_row, self.base = slope, max(float(t.mean() - slope * r.mean()), 0.0)
+
+    def observe_verify(self, req_id: str, drafted: int, accepted: int) -> None:
+        self.accepted[req_id] = self.accepted.get(req_id, 0.0) + accepted
+        self.rejected[req_id] = self.rejected.get(req_id, 0.0) + (accepted < drafted)
+
+    def acceptance(self, req_id: str) -> float:
+        a = self.accepted.get(req_id, 0.0) + PRIOR_ACCEPTED
+        return a / (a + self.rejected.get(req_id, 0.0) + PRIOR_REJECTED)
+
+    def allot(self, proposals: dict[str, int], batch: int) -> dict[str, int]:
+        """req_id -> how many of its proposed drafts to keep, for a step of `batch` requests."""
+        if self.per_row is None or not proposals:
+            return dict(proposals)
+        worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items() for j in range(1, n + 1)),
+                       reverse=True)
+        keep = dict.fromkeys(proposals, 0)
+        tokens, rows = float(batch), float(batch)
+        for w, r in worth:
+            rate = tokens / (self.base + self.per_row * rows)
+            if w <= rate * self.per_row:
+                break
+            keep[r] += 1
+            tokens, rows = tokens + w, rows + 1
+        self.trimmed += sum(proposals.values()) - sum(keep.values())
+        return keep
+
+    def forget(self, req_ids) -> None:
+        for r in req_ids:
+            self.accepted.pop(r, None)
+            self.rejected.pop(r, None)
