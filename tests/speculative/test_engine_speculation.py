@@ -70,7 +70,7 @@ def metrics(llm) -> dict:
 
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
 K = 5  # the distribution test's top-k
-N = 300  # ... and its samples
+N = 240  # ... and its samples
 
 
 def preemption_workload():
@@ -96,7 +96,7 @@ def runs(model_dir):
     prompts, params = greedy_workload()
     options = options_workload()
     with engine(model_dir, max_num_seqs=64) as llm:
-        out["plain", "greedy"] = generate(llm, prompts, params)
+        out["plain", "copy"] = generate(llm, prompts[-1:], params[-1:])  # the others have golden tokens
         out["plain", "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
         out["plain", "preempted"] = generate(llm, *preemption_workload())
         first_ids, p1 = top_k_distribution(llm, COPY)
@@ -127,14 +127,14 @@ def runs(model_dir):
 
 
 def test_greedy_with_ngram_is_the_golden_output(runs):
-    spec, plain = runs["spec", "greedy"], runs["plain", "greedy"]
+    spec, plain = runs["spec", "greedy"], runs["plain", "copy"]
     _, params = greedy_workload()
     for i in range(7):
         tokens, reason, _ = spec[i][0]
         want = GOLDEN[i]["greedy_ids"][:STOP_AT + 1] if i == 5 else GOLDEN[i]["greedy_ids"][:params[i].max_tokens]
         assert tokens == want, i
         assert (reason == "stop") == (i == 5)
-    assert spec[7][0][0] == plain[7][0][0] and len(spec[7][0][0]) == 48
+    assert spec[7][0][0] == plain[0][0][0] and len(spec[7][0][0]) == 48
     drafted, accepted, rows = runs["counts"]
     assert accepted > 10 and drafted - accepted > 10, runs["counts"]  # drafts kept and drafts rejected
 
@@ -173,7 +173,7 @@ def test_preemption_and_copies_through_a_tiny_cache(model_dir, runs):
 
 
 def test_seeded_random_sampling_keeps_the_target_distribution(runs):
-    """Two tokens from a copy prompt at temperature 1, top-k 5, 300 seeds:
+    """Two tokens from a copy prompt at temperature 1, top-k 5, 240 seeds:
     the second token comes out of a verified row (drafts from the first);
     the joint counts against N p(t1) p(t2 | t1), the exact top-5
     distributions of the same weights (vLLM's raw logprobs, no speculation)."""
