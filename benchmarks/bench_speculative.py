@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,14 +120,10 @@ def main(argv=None) -> int:
                 r.update(dataset=name, label=bench_serving.SYSTEMS[system].label, num_prompts=n)
                 runs.append(r)
                 (run_dir / "speculative.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
     summ = lambda ps: (f"{len(ps)} prompts of {min(p.prompt_tokens for p in ps)}-"  # noqa: E731
                        f"{max(p.prompt_tokens for p in ps)} tokens")
     meta = {"date": started.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit + ("+dirty" if dirty else ""), "cpu": bench_serving.roofline_mod.cpu_name(),
+            "commit": bench_serving.plugin_revision(), "cpu": bench_serving.roofline_mod.cpu_name(),
             "cores": os.cpu_count(), "isa": bench_serving.isa(), "output_len": args.output_len,
             "copy_summary": summ(copies) + " (" + "/".join(copy_dataset.KINDS) + ")",
             "sonnet_summary": summ(sonnets) + " (shared prefix 200)", "run_dir": str(run_dir),
@@ -140,10 +135,7 @@ def main(argv=None) -> int:
     (out / "speculative.md").write_text(text + "\n")
     print(text)
     if not args.no_docs:
-        doc = args.docs.read_text()
-        if BEGIN in doc and END in doc:
-            head, rest = doc.split(BEGIN, 1)
-            args.docs.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        bench_serving.write_block(args.docs, text, BEGIN, END)
     return 1 if any("error" in r for r in runs) else 0
 
 

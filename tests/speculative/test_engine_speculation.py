@@ -107,8 +107,10 @@ def runs(model_dir):
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"
     try:
         with engine(model_dir, speculative_config=NGRAM, disable_log_stats=False, max_num_seqs=64) as llm:
-            s = runner_of(llm).speculator
-            assert s.budget is None
+            runner = runner_of(llm)
+            s = runner.speculator
+            # vLLM's V1 engine runs n-gram speculation synchronously (its rule): the proposal needs the tokens.
+            assert s.budget is None and not runner.async_scheduling
             out["spec", "greedy"] = generate(llm, prompts, params)
             out["counts"] = s.drafted, s.accepted, s.verified_rows
             out["metrics"] = metrics(llm)
@@ -219,3 +221,26 @@ def test_speculation_across_ranks_is_refused(model_dir):
     cfg.parallel_config.tensor_parallel_size = 1
     cfg.model_config = SimpleNamespace(is_hybrid=True)
     assert "recurrent" in refusal(cfg)
+    cfg.model_config = SimpleNamespace(is_hybrid=False, is_multimodal_model=True,
+                                       multimodal_config=SimpleNamespace(language_model_only=False))
+    assert "image requests" in refusal(cfg)
+    cfg.model_config.multimodal_config.language_model_only = True  # text only: served
+    assert refusal(cfg) is None
+    cfg.kv_transfer_config = object()
+    assert "--kv-transfer-config" in refusal(cfg)
+
+
+def test_drafts_are_capped_by_the_schedulers_count():
+    """vLLM's scheduler says how many drafts the next step takes
+    (num_spec_tokens_to_schedule, e.g. from its per-batch-size schedule): no request gets more."""
+    from types import SimpleNamespace
+
+    from vllm_metal.speculative.speculator import Speculator
+
+    spec = Speculator(SimpleNamespace(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2),
+                      512, custom_logitsprocs=False)
+    state = SimpleNamespace(req_id="r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 1, 2], output_token_ids=[],
+                            sampling_params=SamplingParams(temperature=0))
+    for k, want in ((4, [3, 4, 5, 6]), (2, [3, 4]), (0, [])):
+        spec.propose([state], [[2]], k)
+        assert spec.take().draft_token_ids == [want]

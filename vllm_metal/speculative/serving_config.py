@@ -2,8 +2,9 @@
 engine processes before anything loads (no MLX import: the platform runs it).
 
 Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max,
-num_speculative_tokens up to vLLM's rejection-sampler limit of 128, its
-per-batch-size schedule). Refused with the alternative: proposers that are
+num_speculative_tokens up to vLLM's rejection-sampler limit of 128; the
+scheduler's count for the next step, `num_spec_tokens_to_schedule`, caps a
+request's drafts). Refused with the alternative: proposers that are
 models (draft model, EAGLE, MTP, Medusa, ...), rejection methods other
 than vLLM's standard one, speculation across tensor / pipeline parallel
 ranks, over linear-attention (recurrent) state, with images or with a KV
