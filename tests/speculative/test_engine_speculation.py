@@ -1,6 +1,8 @@
-"""N-gram speculative decoding through vLLM's engine (`--speculative-config`).
+"""Speculative decoding through vLLM's engine (`--speculative-config`): n-gram
+and a draft model (the target without its last two layers: drafts both kept
+and rejected).
 
-Greedy output with speculation is the output without it, token for token
+For each method: greedy output with speculation is the output without it, token for token
 (the golden tokens, mlx-lm's, where the prompt has them), with 8 concurrent
 requests of mixed lengths, an early stop and preemption; the options that
 keep a request from drafting (logprobs, penalties, a grammar) and those
@@ -12,7 +14,10 @@ vLLM's spec-decode metrics; what is not served is refused at start.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +34,33 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # Copying invites drafts: a passage, then its start again.
 COPY = GOLDEN[7]["prompt_ids"] + GOLDEN[7]["prompt_ids"][:40]
 STOP_AT = next(j for j, t in enumerate(GOLDEN[5]["greedy_ids"]) if j >= 3 and t not in GOLDEN[5]["greedy_ids"][:j])
+
+
+def truncated_draft(mlx_model_dir: str, layers: int, out: Path, vocab_size: int | None = None) -> str:
+    """The embedded model's first `layers` layers (its embedding, final norm and tied head) as a draft model."""
+    import mlx.core as mx
+
+    src = Path(mlx_model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(src / "model.safetensors"))
+    mx.save_safetensors(str(out / "model.safetensors"), {
+        k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers})
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    config["vocab_size"] = vocab_size or config["vocab_size"]
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(mlx_model_dir, tmp_path_factory) -> str:
+    return truncated_draft(mlx_model_dir, 28, tmp_path_factory.mktemp("draft") / "SmolLM2-28-layers")
+
+
+def draft_config(draft: str) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
 
 
 def greedy_workload():
@@ -71,6 +103,9 @@ def metrics(llm) -> dict:
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
 K = 5  # the distribution test's top-k
 N = 240  # ... and its samples
+# ... and its prompt per method: one whose first draft the target sometimes takes
+# (the 28-layer draft's first guess after the whole COPY prompt is never in the target's top 5).
+SAMPLE_PROMPT = {"ngram": COPY, "draft": COPY[:-9]}
 
 
 def preemption_workload():
@@ -90,7 +125,7 @@ def top_k_distribution(llm, prompt):
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir):
+def runs(model_dir, draft_dir):
     """Every workload on one engine without speculation and one with it (shared by the tests)."""
     out = {}
     prompts, params = greedy_workload()
@@ -99,37 +134,45 @@ def runs(model_dir):
         out["plain", "copy"] = generate(llm, prompts[-1:], params[-1:])  # the others have golden tokens
         out["plain", "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
         out["plain", "preempted"] = generate(llm, *preemption_workload())
-        first_ids, p1 = top_k_distribution(llm, COPY)
-        out["joint"] = {(a, b): pa * pb for a, pa in zip(first_ids, p1)
-                        for b, pb in zip(*top_k_distribution(llm, COPY + [a]))}
+        for method, prompt in SAMPLE_PROMPT.items():
+            first_ids, p1 = top_k_distribution(llm, prompt)
+            out[method, "joint"] = {(a, b): pa * pb for a, pa in zip(first_ids, p1)
+                                    for b, pb in zip(*top_k_distribution(llm, prompt + [a]))}
     # Every draft verified (vLLM's behaviour): the budget would rightly drop most drafts of a
     # 64-request batch on two cores, and these tests are about verifying them.
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"
     try:
-        with engine(model_dir, speculative_config=NGRAM, disable_log_stats=False, max_num_seqs=64) as llm:
-            runner = runner_of(llm)
-            s = runner.speculator
-            # vLLM's V1 engine runs n-gram speculation synchronously (its rule): the proposal needs the tokens.
-            assert s.budget is None and not runner.async_scheduling
-            out["spec", "greedy"] = generate(llm, prompts, params)
-            out["counts"] = s.drafted, s.accepted, s.verified_rows
-            out["metrics"] = metrics(llm)
-            out["spec", "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
-            out["drafted_by_options"] = s.drafted - out["counts"][0]
-            before = s.verified_rows, s.accepted, s.drafted
-            samples = llm.generate([TokensPrompt(prompt_token_ids=COPY)] * N,
-                                   [SamplingParams(temperature=1.0, top_k=K, seed=i, max_tokens=2,
-                                                   ignore_eos=True) for i in range(N)], use_tqdm=False)
-            out["samples"] = [tuple(o.outputs[0].token_ids) for o in samples]
-            out["sample_counts"] = tuple(now - was for now, was in
-                                         zip((s.verified_rows, s.accepted, s.drafted), before))
+        for method, config in (("ngram", NGRAM), ("draft", draft_config(draft_dir))):
+            with engine(model_dir, speculative_config=config, disable_log_stats=False, max_num_seqs=64) as llm:
+                runner = runner_of(llm)
+                s = runner.speculator
+                # vLLM's V1 engine runs n-gram speculation synchronously (its rule), and so do we
+                # with a draft model (vLLM's default there is async): the proposal needs the tokens.
+                assert s.budget is None and not runner.async_scheduling
+                assert (s.model is not None) == (method == "draft")
+                out[method, "greedy"] = generate(llm, prompts, params)
+                out[method, "counts"] = s.drafted, s.accepted, s.verified_rows
+                out[method, "metrics"] = metrics(llm)
+                out[method, "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
+                out[method, "drafted_by_options"] = s.drafted - out[method, "counts"][0]
+                before = s.verified_rows, s.accepted, s.drafted
+                samples = llm.generate([TokensPrompt(prompt_token_ids=SAMPLE_PROMPT[method])] * N,
+                                       [SamplingParams(temperature=1.0, top_k=K, seed=i, max_tokens=2,
+                                                       ignore_eos=True) for i in range(N)], use_tqdm=False)
+                out[method, "samples"] = [tuple(o.outputs[0].token_ids) for o in samples]
+                out[method, "sample_counts"] = tuple(now - was for now, was in
+                                                     zip((s.verified_rows, s.accepted, s.drafted), before))
     finally:
         del os.environ["VLLM_METAL_SPEC_BUDGET"]
     return out
 
 
-def test_greedy_with_ngram_is_the_golden_output(runs):
-    spec, plain = runs["spec", "greedy"], runs["plain", "copy"]
+METHODS = pytest.mark.parametrize("method", ["ngram", "draft"])
+
+
+@METHODS
+def test_greedy_with_speculation_is_the_golden_output(runs, method):
+    spec, plain = runs[method, "greedy"], runs["plain", "copy"]
     _, params = greedy_workload()
     for i in range(7):
         tokens, reason, _ = spec[i][0]
@@ -137,21 +180,23 @@ def test_greedy_with_ngram_is_the_golden_output(runs):
         assert tokens == want, i
         assert (reason == "stop") == (i == 5)
     assert spec[7][0][0] == plain[0][0][0] and len(spec[7][0][0]) == 48
-    drafted, accepted, rows = runs["counts"]
-    assert accepted > 10 and drafted - accepted > 10, runs["counts"]  # drafts kept and drafts rejected
+    drafted, accepted, rows = runs[method, "counts"]
+    assert accepted > 10 and drafted - accepted > 10, runs[method, "counts"]  # drafts kept and drafts rejected
 
 
-def test_counts_are_vllms_spec_decode_metrics(runs):
-    drafted, accepted, rows = runs["counts"]
-    m = runs["metrics"]
+@METHODS
+def test_counts_are_vllms_spec_decode_metrics(runs, method):
+    drafted, accepted, rows = runs[method, "counts"]
+    m = runs[method, "metrics"]
     assert m["vllm:spec_decode_num_draft_tokens"] == drafted
     assert m["vllm:spec_decode_num_accepted_tokens"] == accepted
     assert m["vllm:spec_decode_num_drafts"] == rows
     assert accepted <= drafted
 
 
-def test_options_give_their_plain_outputs(runs):
-    spec, plain = runs["spec", "options"], runs["plain", "options"]
+@METHODS
+def test_options_give_their_plain_outputs(runs, method):
+    spec, plain = runs[method, "options"], runs["plain", "options"]
     for i, (s, p) in enumerate(zip(spec, plain)):
         for (st, sr, slp), (pt, pr, plp) in zip(s[:-1], p[:-1]):
             assert st == pt and sr == pr, i
@@ -161,11 +206,14 @@ def test_options_give_their_plain_outputs(runs):
         if s[-1] is not None:  # prompt logprobs
             for g, w in zip(s[-1][1:], p[-1][1:]):
                 assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
-    assert runs["drafted_by_options"] > 0  # the requests that may draft did
+    assert runs[method, "drafted_by_options"] > 0  # the requests that may draft did
 
 
-def test_preemption_and_copies_through_a_tiny_cache(model_dir, runs):
-    with engine(model_dir, speculative_config=NGRAM, kv_cache_memory_bytes=48 * BYTES_PER_BLOCK,
+@METHODS
+def test_preemption_and_copies_through_a_tiny_cache(model_dir, draft_dir, runs, method):
+    # A draft model's layers take their share of the cache: 48 blocks for both (28 of the target's 30 layers more).
+    config, layers = (NGRAM, 30) if method == "ngram" else (draft_config(draft_dir), 58)
+    with engine(model_dir, speculative_config=config, kv_cache_memory_bytes=48 * BYTES_PER_BLOCK * layers // 30,
                 max_num_seqs=8, max_model_len=512, enable_prefix_caching=False) as llm:
         got = generate(llm, *preemption_workload())
         runner = runner_of(llm)
@@ -174,17 +222,18 @@ def test_preemption_and_copies_through_a_tiny_cache(model_dir, runs):
     assert got == runs["plain", "preempted"]
 
 
-def test_seeded_random_sampling_keeps_the_target_distribution(runs):
+@METHODS
+def test_seeded_random_sampling_keeps_the_target_distribution(runs, method):
     """Two tokens from a copy prompt at temperature 1, top-k 5, 240 seeds:
     the second token comes out of a verified row (drafts from the first);
     the joint counts against N p(t1) p(t2 | t1), the exact top-5
     distributions of the same weights (vLLM's raw logprobs, no speculation)."""
-    verified, accepted, drafted = runs["sample_counts"]
-    assert verified >= N // 2 and 0 < accepted < drafted, runs["sample_counts"]
-    joint = runs["joint"]
+    verified, accepted, drafted = runs[method, "sample_counts"]
+    assert verified >= N // 2 and 0 < accepted < drafted, runs[method, "sample_counts"]
+    joint = runs[method, "joint"]
     pairs = list(joint)
     counts = np.zeros(len(pairs))
-    for t in runs["samples"]:
+    for t in runs[method, "samples"]:
         counts[pairs.index(t)] += 1
     assert chi_square_p(counts, N * np.array([joint[p] for p in pairs])) > 1e-3
 
@@ -196,19 +245,22 @@ def test_seeded_random_sampling_keeps_the_target_distribution(runs):
      r"num_speculative_tokens\s+Input should be greater than 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "rejection_sample_method": "fly"},
      r"rejection_sample_method 'fly' is not served by vllm-metal"),
-    ({"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2},
-     r"method 'draft_model' asks for speculative decoding other than host n-gram .*vllm-metal does not serve"
-     r".*Instead: n-gram speculation"),
+    ({"method": "draft_model", "model": "{other_vocab}", "num_speculative_tokens": 2},
+     r"Target and draft model should have the same vocabulary size"),  # vLLM's own check, at start
+    ({"method": "eagle", "model": "{model}", "num_speculative_tokens": 2},
+     r"method 'eagle' asks for speculative decoding other than host n-gram or a draft model"),
 ])
-def test_what_is_not_served_is_refused_at_start(model_dir, spec, message):
+def test_what_is_not_served_is_refused_at_start(model_dir, mlx_model_dir, tmp_path, spec, message):
     from vllm.engine.arg_utils import EngineArgs
 
-    spec = {k: (v.format(model=model_dir) if isinstance(v, str) else v) for k, v in spec.items()}
+    other = truncated_draft(mlx_model_dir, 2, tmp_path / "other-vocab", vocab_size=32000) \
+        if spec.get("model") == "{other_vocab}" else None
+    spec = {k: (v.format(model=model_dir, other_vocab=other) if isinstance(v, str) else v) for k, v in spec.items()}
     with pytest.raises(Exception, match=message):
         EngineArgs(model=model_dir, max_model_len=512, speculative_config=spec).create_engine_config()
 
 
-def test_speculation_across_ranks_is_refused(model_dir):
+def test_speculation_across_ranks_hybrids_images_connectors_and_odd_drafts_are_refused():
     from types import SimpleNamespace
 
     from vllm_metal.speculative.serving_config import refusal
@@ -228,6 +280,18 @@ def test_speculation_across_ranks_is_refused(model_dir):
     assert refusal(cfg) is None
     cfg.kv_transfer_config = object()
     assert "--kv-transfer-config" in refusal(cfg)
+    cfg.kv_transfer_config = None
+    # A draft model: of the target's vocabulary (vLLM checks the sizes too), attention only, text only.
+    draft = SimpleNamespace(model="d", get_vocab_size=lambda: 49152, is_hybrid=False, is_multimodal_model=False)
+    cfg.speculative_config = SimpleNamespace(method="draft_model", num_speculative_tokens=2,
+                                             rejection_sample_method="standard", draft_model_config=draft)
+    cfg.model_config.get_vocab_size = lambda: 49152
+    assert refusal(cfg) is None
+    cfg.speculative_config.use_heterogeneous_vocab = True
+    assert "target's tokenizer" in refusal(cfg)
+    del cfg.speculative_config.use_heterogeneous_vocab
+    draft.is_hybrid = True
+    assert "text-only attention models" in refusal(cfg)
 
 
 def test_drafts_are_capped_by_the_schedulers_count():
@@ -237,7 +301,8 @@ def test_drafts_are_capped_by_the_schedulers_count():
 
     from vllm_metal.speculative.speculator import Speculator
 
-    spec = Speculator(SimpleNamespace(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2),
+    spec = Speculator(SimpleNamespace(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                                      prompt_lookup_max=2),
                       512, custom_logitsprocs=False)
     state = SimpleNamespace(req_id="r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 1, 2], output_token_ids=[],
                             sampling_params=SamplingParams(temperature=0))

@@ -49,6 +49,7 @@ from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.multimodal.serving import MultimodalStep, build as build_multimodal
 from vllm_metal.multimodal.serving import weights_bytes as weights_bytes_of_tower
+from vllm_metal.speculative.draft_model import ModelDrafter, load_drafter
 from vllm_metal.speculative.speculator import Speculator
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
@@ -130,6 +131,10 @@ class MetalModelRunner:
                                     norm_rope=cpu_norm_rope_enabled(self.device), parallel=self.parallel,
                                     config_path=self.model_config.hf_config_path)
         m = self.mlx_model
+        spec = self.speculator
+        if spec is not None and spec.drafter is None:  # --speculative-config with a draft model
+            spec.model = load_drafter(self.vllm_config.speculative_config, dtype, dequantize,
+                                      fuse_projections_enabled(self.device), cpu_norm_rope_enabled(self.device))
         mm = getattr(self.model_config, "multimodal_config", None)
         if mm is not None and self.model_config.is_multimodal_model and not mm.language_model_only:
             self.multimodal = build_multimodal(self.model_config, m, m.dtype)  # images (multimodal/)
@@ -145,7 +150,8 @@ class MetalModelRunner:
         if self.pooling is not None:
             return self.pooling.weights_bytes
         tower = weights_bytes_of_tower(self.multimodal) if self.multimodal is not None else 0
-        return self.mlx_model.weights_bytes + tower  # this rank's resident weights (loader.py; the vision tower)
+        draft = self.draft.model.weights_bytes if self.draft is not None else 0
+        return self.mlx_model.weights_bytes + tower + draft  # resident weights (loader.py; vision tower, draft model)
 
     def adapter_reserve_bytes(self) -> int:
         return self.adapters.reserve_bytes() if self.adapters is not None else 0
@@ -161,7 +167,14 @@ class MetalModelRunner:
         attention block (mode "align", engine/state_align.py)."""
         if self.mlx_model is None:  # an encoder: no cache
             return {}
-        return kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
+        specs = kv_specs.kv_cache_spec(self.vllm_config, self.mlx_model, self.layer_name)
+        if self.draft is not None:  # the draft model's layers join vLLM's plan beside the target's
+            specs.update(kv_specs.kv_cache_spec(self.vllm_config, self.draft.model, self.draft.layer_name))
+        return specs
+
+    @property
+    def draft(self) -> ModelDrafter | None:
+        return self.speculator.model if self.speculator is not None else None
 
     def kv_bytes_ratio(self) -> float:
         """Bytes allocated per byte vLLM plans for the KV cache (>= 1; kv_specs.kv_bytes_ratio)."""
@@ -178,6 +191,10 @@ class MetalModelRunner:
         # Block 0 is vLLM's null block: allocated, never handed to a request.
         self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group,
                                 kv_cache_dtype=kv_specs.kv_cache_dtype(self.vllm_config))
+        if self.draft is not None:  # the draft model's own cache, addressed by the same block tables
+            _, _, draft_groups = kv_specs.cache_groups(config, self.draft.model, self.draft.layer_name)
+            self.draft.kv = self.draft.model.allocate_kv(config.num_blocks, self.block_sizes, draft_groups,
+                                                         kv_cache_dtype=kv_specs.kv_cache_dtype(self.vllm_config))
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,
@@ -221,7 +238,8 @@ class MetalModelRunner:
         # An adapter may target the head: then its tokens come from the model's own logits.
         out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
         sends = m.transport.take_pending() if m.transport is not None else []
-        arrays = [*([out] if out is not None else []), *sends, self.kv.arrays()]  # this step's caches
+        drafted = self.draft.write(inputs) if self.draft is not None else []  # the draft model's cache, same graph
+        arrays = [*([out] if out is not None else []), *sends, self.kv.arrays(), drafted]  # this step's caches
 
         def launch():
             if after is not None:

@@ -108,3 +108,17 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
         slot_mappings.append(blocks * block_size + positions % block_size)
     return StepInputs(token_ids=token_ids, positions=positions, seq_lens=seq_lens, cu_seqlens_q=cu,
                       block_tables=block_tables, slot_mappings=slot_mappings)
+
+
+def one_token_rows(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int],
+                   sliding_windows: Sequence[int | None], rows: np.ndarray, positions: np.ndarray) -> StepInputs:
+    """Inputs of one token (id 0: the caller supplies the ids) for each of
+    the batch rows `rows` at `positions`, from the batch's tables (a draft
+    model's passes, speculative/draft_model.py)."""
+    picked = [(t[rows], c[rows]) for t, c in tables]
+    return build_step_inputs([ScheduledRow([0], int(p)) for p in positions], block_sizes, sliding_windows, picked)
+
+
+def room(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int]) -> np.ndarray:
+    """Tokens each row's blocks hold, in every group (int64 [rows])."""
+    return np.min([c.astype(np.int64) * b for (_, c), b in zip(tables, block_sizes)], axis=0)

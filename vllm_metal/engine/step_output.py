@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
-from vllm_metal.engine import prompt_logprobs
+from vllm_metal.engine import prompt_logprobs, step_inputs
 from vllm_metal.engine.persistent_batch import RequestState
 from vllm_metal.engine.sampling import sample
 from vllm_metal.speculative.speculator import VerifyRow
@@ -127,7 +128,13 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
         state.output_token_ids.extend(row)
         tokens.append(row)
     if spec is not None:  # the next step's drafts, handed over by take_draft_token_ids
-        spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule, time.perf_counter())
+        room = inputs_for = None
+        if spec.model is not None:  # a draft model: its passes run now, over the batch's block tables
+            tables = runner.batch.block_table_view()
+            room = step_inputs.room(tables, runner.block_sizes)
+            inputs_for = partial(step_inputs.one_token_rows, tables, runner.block_sizes, runner.group_windows)
+        spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule, time.perf_counter(),
+                     room, inputs_for)
     req_ids = [state.req_id for state in states]
     return ModelRunnerOutput(
         req_ids=req_ids,

@@ -1,14 +1,17 @@
 """What `--speculative-config` may ask for here, checked in the API and
 engine processes before anything loads (no MLX import: the platform runs it).
 
-Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max,
-num_speculative_tokens up to vLLM's rejection-sampler limit of 128; the
-scheduler's count for the next step, `num_spec_tokens_to_schedule`, caps a
-request's drafts). Refused with the alternative: proposers that are
-models (draft model, EAGLE, MTP, Medusa, ...), rejection methods other
-than vLLM's standard one, speculation across tensor / pipeline parallel
-ranks, over linear-attention (recurrent) state, with images or with a KV
-connector.
+Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max) and
+"draft_model" (a smaller model of the same vocabulary, any served family
+without linear-attention layers), num_speculative_tokens up to vLLM's
+rejection-sampler limit of 128 (the scheduler's count for the next step,
+`num_spec_tokens_to_schedule`, caps a request's drafts). Refused with the
+alternative: the other model proposers (EAGLE, MTP, Medusa, ...), a draft
+model of another vocabulary, rejection methods other than vLLM's standard
+one, speculation across tensor / pipeline parallel ranks, over
+linear-attention (recurrent) state, with images or with a KV connector.
+A draft model runs with synchronous scheduling (vLLM's default for it is
+async): its proposal needs the step's accepted tokens on the host.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 # vLLM's rejection sampler verifies at most this many drafts per request a step.
 MAX_DRAFTS = 128
 
-SERVED_METHODS = ("ngram",)
+SERVED_METHODS = ("ngram", "draft_model")
 
 
 def refused_method(spec_config) -> str | None:
@@ -34,7 +37,7 @@ def refusal(vllm_config) -> str | None:
     method = refused_method(spec)
     if method is not None:
         alt = "method 'ngram': the same prompt lookup, on the host" if method == "ngram_gpu" else \
-            "method 'ngram' (prompt lookup)"
+            "method 'ngram' (prompt lookup) or 'draft_model' (a smaller model of the same vocabulary)"
         return (f"speculative decoding with method {method!r} is not served by vllm-metal yet (its proposer "
                 f"runs a model in vLLM's CUDA runner); use {alt}, or drop --speculative-config")
     k = spec.num_speculative_tokens
@@ -43,6 +46,17 @@ def refusal(vllm_config) -> str | None:
     if getattr(spec, "rejection_sample_method", "standard") != "standard":
         return (f"--speculative-config rejection_sample_method {spec.rejection_sample_method!r} is not served by "
                 "vllm-metal: drop it (the standard rejection sampler keeps the target distribution)")
+    if spec.method == "draft_model":
+        draft, target = spec.draft_model_config, vllm_config.model_config
+        if getattr(spec, "use_heterogeneous_vocab", False) or (
+                target is not None and draft.get_vocab_size() != target.get_vocab_size()):
+            return (f"draft model {draft.model} has a vocabulary of {draft.get_vocab_size()} tokens, the target "
+                    f"{target.get_vocab_size() if target is not None else '?'}: vllm-metal drafts only with a model "
+                    "of the target's tokenizer (same vocabulary); use method 'ngram', or a draft model of the "
+                    "target's family")
+        if draft.is_hybrid or draft.is_multimodal_model:
+            return (f"draft model {draft.model} is a hybrid (recurrent-state) or image model: vllm-metal drafts "
+                    "with text-only attention models; use a plain decoder of the target's vocabulary, or 'ngram'")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         return (f"vllm-metal serves speculative decoding on one rank: --speculative-config with tensor parallel "
@@ -62,17 +76,27 @@ def refusal(vllm_config) -> str | None:
     return None
 
 
-def check_speculative_config(vllm_config) -> None:
+def check_speculative_config(vllm_config, logger=None) -> None:
     reason = refusal(vllm_config)
     if reason is not None:
         raise ValueError(reason)
+    spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
+    if spec is not None and spec.method == "draft_model" and sched.async_scheduling:
+        # vLLM's GPU runner keeps the drafts on the device and corrects the next step's
+        # positions there; here the draft passes read the accepted tokens on the host.
+        if logger is not None:
+            logger.info("vllm-metal: async scheduling off with a draft model (its passes start from the "
+                        "step's accepted tokens, on the host)")
+        sched.async_scheduling = False
 
 
 def speculative_capability() -> dict:
     """The doctor's line (`vllm-metal doctor`)."""
     return {"served": list(SERVED_METHODS),
             "how": "drafts verified in the step's one graph (a row of query length k + 1), accepted with "
-                   "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution)",
-            "refused": ["model proposers (draft model, EAGLE, MTP, Medusa, ...)", "ngram_gpu (use ngram)",
+                   "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution); a "
+                   "draft model's cache written in the same graph, its k passes one more",
+            "refused": ["model proposers other than a draft model (EAGLE, MTP, Medusa, ...)",
+                        "a draft model of another vocabulary, or a hybrid / image draft model", "ngram_gpu (use ngram)",
                         "rejection methods other than standard", "tensor / pipeline parallel ranks",
                         "hybrid (recurrent-state) models", "image models", "a KV connector"]}

@@ -20,8 +20,10 @@ all of them, as vLLM does).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import DraftTokenIds
@@ -29,6 +31,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm_metal import envs
 from vllm_metal.speculative import rejection
 from vllm_metal.speculative.budget import DraftBudget
+from vllm_metal.speculative.draft_model import InputsFor, ModelDrafter
 from vllm_metal.speculative.ngram import NgramDrafter
 
 
@@ -52,8 +55,10 @@ def may_draft(state) -> bool:
 class Speculator:
     def __init__(self, spec_config, max_model_len: int, custom_logitsprocs: bool):
         self.k = spec_config.num_speculative_tokens
+        # n-gram lookup on the host, or a draft model (set by the runner once loaded: draft_model.py)
         self.drafter = NgramDrafter(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.k,
-                                    max_model_len)
+                                    max_model_len) if spec_config.method == "ngram" else None
+        self.model: ModelDrafter | None = None
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
         # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
         self.budget = DraftBudget() if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
@@ -96,19 +101,33 @@ class Speculator:
         decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) + drafts
         self._step = (now, so.total_num_scheduled_tokens) if decode_only else None
 
-    def propose(self, states, tokens: list[list[int]], k: int, now: float | None = None) -> None:
+    def propose(self, states, tokens: list[list[int]], k: int, now: float | None = None,
+                room: np.ndarray | None = None, inputs_for: InputsFor | None = None) -> None:
         """The next step's drafts: for each request that got tokens this step
-        and may draft, vLLM's n-gram proposal, kept as far as the budget says it pays."""
+        and may draft, vLLM's n-gram proposal or the draft model's, kept
+        (n-gram) or drafted (model) as far as the budget says it pays.
+        room, inputs_for: the tokens each batch row's blocks hold, and the
+        step inputs of one token per row (the runner's; a draft model's passes)."""
+        candidates = [i for i, (state, new) in enumerate(zip(states, tokens))
+                      if new and self.enabled and may_draft(state)]
+        if self.model is not None:
+            reach = {states[i].req_id: self.model.reach(states[i].num_tokens - 1, int(room[i])) for i in candidates}
+            lengths = {r: min(n, k) for r, n in reach.items() if min(n, k) > 0}
+        else:
+            proposals = {states[i].req_id: self.drafter.propose(states[i].req_id, states[i].prompt_token_ids,
+                                                                states[i].output_token_ids, k) for i in candidates}
+            lengths = {r: len(d) for r, d in proposals.items() if d}
+        keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
+        if self.model is not None:  # only the drafts the budget keeps are drafted
+            rows = np.array([i for i in candidates if keep.get(states[i].req_id, 0)], np.int64)
+            drafted = self.model.propose(rows, np.array([states[i].num_tokens - 1 for i in rows], np.int64),
+                                         [states[i].output_token_ids[-1] for i in rows],
+                                         [keep[states[i].req_id] for i in rows], inputs_for)
+            proposals = {states[i].req_id: d for i, d in zip(rows, drafted)}
+            now = time.perf_counter() if now is not None else None  # the passes are part of the step's time
         if self._step is not None and now is not None and self.budget is not None:
             self.budget.observe_step(self._step[1], now - self._step[0])
         self._step = None
-        proposals = {}
-        for state, new in zip(states, tokens):
-            if new and self.enabled and may_draft(state):
-                proposals[state.req_id] = self.drafter.propose(state.req_id, state.prompt_token_ids,
-                                                               state.output_token_ids, k)
-        lengths = {r: len(d) for r, d in proposals.items() if d}
-        keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
         drafts = [proposals.get(s.req_id, [])[:keep.get(s.req_id, 0)] for s in states]
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
 
@@ -117,6 +136,7 @@ class Speculator:
         return drafts
 
     def forget(self, req_ids) -> None:
-        self.drafter.forget(req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(req_ids)
         if self.budget is not None:
             self.budget.forget(req_ids)
