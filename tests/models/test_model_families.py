@@ -17,9 +17,12 @@ from vllm_metal.models.loader import load_model
 
 PROMPTS = [GOLDEN[0]["prompt_ids"], GOLDEN[4]["prompt_ids"], GOLDEN[7]["prompt_ids"]]
 NUM_TOKENS = 16
+# The whole 30-layer model in half precision or MLX-quantized, whose reference (mlx-lm on
+# MLX's CPU device: no BLAS for these) costs a second a token: fewer tokens.
+SLOW_TOKENS = 8
 
 
-def mlx_lm_greedy(model_dir, dtype=mx.float32, dequantize=False):
+def mlx_lm_greedy(model_dir, dtype=mx.float32, dequantize=False, num_tokens=NUM_TOKENS):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load
@@ -28,7 +31,7 @@ def mlx_lm_greedy(model_dir, dtype=mx.float32, dequantize=False):
     if dequantize:
         model = dequantize_model(model)
     model.set_dtype(dtype)
-    return [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=NUM_TOKENS,
+    return [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=num_tokens,
                                                sampler=lambda x: mx.argmax(x, axis=-1))] for p in PROMPTS]
 
 
@@ -43,8 +46,8 @@ def test_half_precision_matches_mlx_lm(model_dir, weights, tmp_path, dtype):
     # (a truncated model's near-ties flip in bf16 after a dozen tokens).
     variant = make_variant(model_dir, tmp_path / "llama", "llama", weights, layers=30)
     with engine(variant, dtype=dtype) as llm:
-        tokens, _ = greedy(llm, PROMPTS, NUM_TOKENS)
-    assert tokens == mlx_lm_greedy(variant, dtype=getattr(mx, dtype))
+        tokens, _ = greedy(llm, PROMPTS, SLOW_TOKENS)
+    assert tokens == mlx_lm_greedy(variant, dtype=getattr(mx, dtype), num_tokens=SLOW_TOKENS)
 
 
 def test_mlx_quantized_weights_kept_quantized(model_dir, mlx_model_dir, monkeypatch):
@@ -52,8 +55,8 @@ def test_mlx_quantized_weights_kept_quantized(model_dir, mlx_model_dir, monkeypa
     # served without expanding the weights it must match mlx-lm on the MLX-format copy.
     monkeypatch.setenv("VLLM_METAL_DEQUANTIZE", "0")
     with engine(model_dir) as llm:
-        tokens, _ = greedy(llm, PROMPTS, NUM_TOKENS)
-    assert tokens == mlx_lm_greedy(mlx_model_dir)
+        tokens, _ = greedy(llm, PROMPTS, SLOW_TOKENS)
+    assert tokens == mlx_lm_greedy(mlx_model_dir, num_tokens=SLOW_TOKENS)
 
 
 def test_unknown_architecture_is_a_clear_error(model_dir, tmp_path):
