@@ -174,7 +174,7 @@ def server_command(system: str, model: str, port: int, kv_bytes: int, preload: b
                 *common, *SYSTEMS[system].args], env
     if base == "mlx-lm":
         return [sys.executable, str(HERE / "mlx_lm_server.py"), "--model", model,
-                "--host", HOST, "--port", str(port)], env
+                "--host", HOST, "--port", str(port), *SYSTEMS[system].args], env
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -359,7 +359,8 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
             record["bench_command"] = shlex.join(bench)
             print(f"[{tag}] benchmarking (load {record['load_before']:.2f})", flush=True)
             client_log = run_dir / "logs" / f"{tag}.client.log"
-            spec_before = spec_decode_counters(base) if getattr(args, "spec_metrics", False) else None
+            spec_before = spec_decode_counters(base) if getattr(args, "spec_metrics", False) and \
+                SYSTEMS[system].base != "mlx-lm" else None  # (mlx_lm.server has no /metrics)
             before, t0 = cpu_snapshot(proc.pid), time.monotonic()
             per_process = session_cpu_by_process(proc.pid)
             with open(client_log, "w") as clog:

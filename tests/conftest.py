@@ -27,6 +27,7 @@ from vllm_metal.native import ops  # noqa: F401  (must precede any other mlx imp
 # pytest-xdist's --dist loadfile each file runs whole on one worker, in collection order: started
 # first, the long files overlap the many short ones instead of running alone at the end.
 LONG_FILES = (
+    "tests/speculative/test_engine_speculation.py",
     "tests/models/test_model_families.py",
     "tests/distributed/test_engines.py",
     "tests/reliability/test_soak.py",
@@ -39,7 +40,6 @@ LONG_FILES = (
     "tests/reliability/test_option_fuzz.py",
     "tests/multimodal/test_images.py",
     "tests/multimodal/test_serve_images.py",
-    "tests/speculative/test_engine_speculation.py",
 )
 
 

@@ -202,11 +202,13 @@ class LoadedModel:
     def forward_hidden(self, kv: PagedKVCache, inputs) -> mx.array:
         """One packed step, as `forward`, to the final hidden states of every
         scheduled token (lazy float32 [tokens, hidden]): what a pooling
-        model pools."""
+        model pools; a draft model's cache writes (evaluate `kv.arrays()` only)."""
         kv.retained = []
         kv.step = self._step_inputs(inputs)
         try:
-            return self.hidden_states(mx.array(inputs.token_ids), kv.layer_views()).astype(mx.float32)
+            ids = getattr(inputs, "token_ids_mx", None)
+            return self.hidden_states(mx.array(inputs.token_ids) if ids is None else ids,
+                                      kv.layer_views()).astype(mx.float32)
         finally:
             kv.step = None
 

@@ -51,14 +51,7 @@ class ModelDrafter:
     def write(self, inputs) -> list[mx.array]:
         """The step's tokens through the draft model, lazily, into its cache
         (the target's slots): the cache arrays to evaluate with the step."""
-        m = self.model
-        self.kv.retained = []
-        self.kv.step = m._step_inputs(inputs)
-        try:
-            ids = getattr(inputs, "token_ids_mx", None)
-            m.hidden_states(mx.array(inputs.token_ids) if ids is None else ids, self.kv.layer_views())
-        finally:
-            self.kv.step = None
+        self.model.forward_hidden(self.kv, inputs)  # the hidden states themselves are never asked for
         return self.kv.arrays()
 
     def reach(self, position: int, room: int) -> int:
