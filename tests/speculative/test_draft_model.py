@@ -53,3 +53,44 @@ def test_the_budget_decides_before_the_passes_run(monkeypatch):
     spec.propose(states, [[5], [6], [], [9]], 4, None, room, inputs_for=None)
     assert spec.model.asked == ([], [], [], [])
     assert spec.take().draft_token_ids == [[], [], [], []]
+
+
+def test_a_budget_without_a_spread_of_rows_probes_a_step_without_drafts():
+    """A draft model proposes k every step: rows never vary and no fit exists. Every
+    PROBE_EVERY-th step drafts nothing, the fit appears, and the budget decides from it."""
+    from vllm_metal.speculative.budget import PROBE_EVERY, DraftBudget
+
+    b = DraftBudget()
+    kept = []
+    for _ in range(40):
+        keep = b.allot({"a": 4}, 1)
+        kept.append(keep["a"])
+        rows = 1 + keep["a"]
+        b.observe_step(rows, 0.030 + (0.020 * keep["a"]))  # each draft costs a whole 20 ms draft pass
+        b.observe_verify("a", keep["a"], 0) if keep["a"] else None  # nothing is ever accepted
+    assert kept[:PROBE_EVERY] == [4] * PROBE_EVERY and 0 in kept[PROBE_EVERY:2 * PROBE_EVERY + 1]
+    assert b.per_row is not None and abs(b.per_row - 0.020) < 1e-9
+    assert kept[-10:] == [0] * 10  # the fit says no draft pays: none is kept
+
+
+def test_the_draft_model_stops_writing_when_no_draft_pays_and_comes_back():
+    from types import SimpleNamespace
+
+    from vllm_metal.speculative.draft_model import OFF_AFTER, REPROBE, WritingSwitch
+
+    sw, fitted = WritingSwitch(), SimpleNamespace(per_row=0.01)
+    assert sw.step(["a", "b"], {"a": 2, "b": 0}, fitted) == {"a": 2, "b": 0}
+    assert sw.step(["a"], {"a": 0}, SimpleNamespace(per_row=None)) == {"a": 0}  # no fit: no verdict
+    for i in range(OFF_AFTER):
+        assert sw.writing
+        sw.step(["a", "b"], {"a": 0, "b": 0}, fitted)
+    assert not sw.writing and sw.turned_off == 1
+    for _ in range(REPROBE - 1):
+        assert sw.step(["a", "c"], {"a": 3, "c": 3}, fitted) == {}  # off: nobody drafts
+    assert not sw.writing
+    sw.step(["c"], {"c": 3}, fitted)
+    assert sw.writing  # back on: requests seen while it was off have holes in their draft cache
+    assert sw.step(["a", "c", "d"], {"a": 3, "c": 3, "d": 3}, fitted) == {"d": 3}
+    sw.forget(["a", "c"])
+    assert not sw.holed & {"a", "c"}
+    assert WritingSwitch().step(["a"], {"a": 0}, None) == {"a": 0}  # without a budget it never turns off

@@ -173,7 +173,7 @@ class MetalModelRunner:
         return specs
 
     @property
-    def draft(self) -> ModelDrafter | None:
+    def draft(self) -> ModelDrafter | None:  # --speculative-config with a draft model
         return self.speculator.model if self.speculator is not None else None
 
     def kv_bytes_ratio(self) -> float:
@@ -238,7 +238,8 @@ class MetalModelRunner:
         # An adapter may target the head: then its tokens come from the model's own logits.
         out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
         sends = m.transport.take_pending() if m.transport is not None else []
-        drafted = self.draft.write(inputs) if self.draft is not None else []  # the draft model's cache, same graph
+        draft = self.draft if self.draft is not None and self.draft.switch.writing else None  # (draft_model.py)
+        drafted = draft.write(inputs) if draft is not None else []  # the draft model's cache, same graph
         arrays = [*([out] if out is not None else []), *sends, self.kv.arrays(), drafted]  # this step's caches
 
         def launch():

@@ -18,7 +18,11 @@ such rule; this one keeps vLLM's drafts, only shortened:
   alpha^j expected tokens;
 - drafts are taken best first while each adds more tokens per second than
   the step makes with those already taken (the ratio tokens / time is
-  maximised greedily: a draft of worth w pays iff w > rate x per_row).
+  maximised greedily: a draft of worth w pays iff w > rate x per_row);
+- a proposer that always proposes k drafts (a draft model) gives steps of
+  one size, which no fit can be made from: while there is no fit and the
+  recent steps' rows do not vary, every PROBE_EVERY-th step verifies no
+  drafts (a probe), so the fit sees what a step without them costs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import numpy as np
 # The prior on a request's acceptance: PRIOR_ACCEPTED accepted drafts and PRIOR_REJECTED rejections.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
 WINDOW = 64  # decode steps in the cost fit
-MIN_SPREAD = 2.0  # rows' standard deviation the fit needs (else: the last fit, or none)
+# The rows the fit needs: a range of at least MIN_RANGE and a standard deviation of at least
+# MIN_SPREAD (else: the last fit, or none) -- one probe in PROBE_EVERY steps gives both.
+MIN_RANGE, MIN_SPREAD = 2, 0.5
+PROBE_EVERY = 8  # without a fit and with rows that do not vary: one step in this many drafts nothing
 
 
 class DraftBudget:
@@ -41,6 +48,8 @@ class DraftBudget:
         self.accepted: dict[str, float] = {}
         self.rejected: dict[str, float] = {}
         self.trimmed = 0  # drafts dropped (instrumentation)
+        self.probes = 0  # steps that verified no drafts to measure a plain step (instrumentation)
+        self._allotted = 0  # allot() calls since the last probe
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step's rows (requests + drafts) and its time from execute_model to its output."""
@@ -49,7 +58,7 @@ class DraftBudget:
             return
         r = np.array([s[0] for s in self.samples], np.float64)
         t = np.array([s[1] for s in self.samples], np.float64)
-        if r.std() < MIN_SPREAD:
+        if np.ptp(r) < MIN_RANGE or r.std() < MIN_SPREAD:
             return
         slope = float(((r - r.mean()) * (t - t.mean())).sum() / ((r - r.mean()) ** 2).sum())
         if slope > 0:
@@ -65,6 +74,13 @@ class DraftBudget:
 
     def allot(self, proposals: dict[str, int], batch: int) -> dict[str, int]:
         """req_id -> how many of its proposed drafts to keep, for a step of `batch` requests."""
+        if self.per_row is None and proposals:
+            self._allotted += 1
+            rows = [r for r, _ in list(self.samples)[-PROBE_EVERY:]]
+            if len(rows) == PROBE_EVERY and np.ptp(rows) < MIN_RANGE and self._allotted >= PROBE_EVERY:
+                self._allotted, self.probes = 0, self.probes + 1
+                self.trimmed += sum(proposals.values())
+                return dict.fromkeys(proposals, 0)
         if self.per_row is None or not proposals:
             return dict(proposals)
         worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items() for j in range(1, n + 1)),

@@ -36,11 +36,57 @@ from vllm_metal.models.loaded_model import LoadedModel
 # step inputs for one token per row: (rows of the batch, their positions) -> StepInputs (the runner's)
 InputsFor = Callable[[np.ndarray, np.ndarray], object]
 
+OFF_AFTER = 16  # decode steps in which the budget kept no draft before the draft model stops writing its cache
+REPROBE = 256  # steps off before it writes (and may draft) again
+
+
+class WritingSwitch:
+    """Whether the draft model writes its cache in the step's graph (the
+    share of every step it costs, drafting or not). When the budget keeps
+    no draft of any request for OFF_AFTER decode steps in a row, the draft
+    model stops: no cache writes, no passes. A request that ran while it was
+    off has holes in its draft cache and never drafts again (its drafts
+    would still be verified -- a hole costs acceptance, never output -- but
+    they would mostly be rejected); after REPROBE steps the draft model
+    writes again, and requests it sees from then on may draft (their
+    prefix-cached blocks may hold holes too). Without a budget
+    (VLLM_METAL_SPEC_BUDGET=0) it never turns off."""
+
+    def __init__(self):
+        self.writing = True
+        self.idle = 0  # consecutive steps with candidates and no draft kept
+        self.off_steps = 0
+        self.holed: set[str] = set()
+        self.turned_off = 0  # times it stopped (instrumentation)
+
+    def step(self, req_ids: list[str], keep: dict[str, int], budget) -> dict[str, int]:
+        """This step's allotment, less requests whose draft cache has holes (or all, while off)."""
+        if not self.writing:
+            self.holed.update(req_ids)
+            self.off_steps += 1
+            if self.off_steps >= REPROBE:
+                self.writing, self.idle = True, 0
+            return {}
+        keep = {r: n for r, n in keep.items() if r not in self.holed}
+        if budget is not None and budget.per_row is not None and keep and not any(keep.values()):
+            self.idle += 1
+            if self.idle >= OFF_AFTER:
+                self.writing, self.off_steps, self.turned_off = False, 0, self.turned_off + 1
+                self.holed.update(req_ids)
+                return {}
+        elif any(keep.values()):
+            self.idle = 0
+        return keep
+
+    def forget(self, req_ids) -> None:
+        self.holed.difference_update(req_ids)
+
 
 class ModelDrafter:
     def __init__(self, model: LoadedModel, k: int, max_model_len: int):
         self.model, self.k, self.max_model_len = model, k, max_model_len
         self.kv: PagedKVCache | None = None
+        self.switch = WritingSwitch()
         self.passes = 0  # draft passes run (instrumentation)
 
     @staticmethod

@@ -119,6 +119,7 @@ class Speculator:
             lengths = {r: len(d) for r, d in proposals.items() if d}
         keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
         if self.model is not None:  # only the drafts the budget keeps are drafted
+            keep = self.model.switch.step([s.req_id for s in states], keep, self.budget)
             rows = np.array([i for i in candidates if keep.get(states[i].req_id, 0)], np.int64)
             drafted = self.model.propose(rows, np.array([states[i].num_tokens - 1 for i in rows], np.int64),
                                          [states[i].output_token_ids[-1] for i in rows],
@@ -138,5 +139,7 @@ class Speculator:
     def forget(self, req_ids) -> None:
         if self.drafter is not None:
             self.drafter.forget(req_ids)
+        if self.model is not None:
+            self.model.switch.forget(req_ids)
         if self.budget is not None:
             self.budget.forget(req_ids)
