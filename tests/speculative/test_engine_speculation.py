@@ -282,16 +282,27 @@ def test_speculation_across_ranks_hybrids_images_connectors_and_odd_drafts_are_r
     assert "--kv-transfer-config" in refusal(cfg)
     cfg.kv_transfer_config = None
     # A draft model: of the target's vocabulary (vLLM checks the sizes too), attention only, text only.
-    draft = SimpleNamespace(model="d", get_vocab_size=lambda: 49152, is_hybrid=False, is_multimodal_model=False)
+    draft = SimpleNamespace(model="d", get_vocab_size=lambda: 49152, is_hybrid=False, is_multimodal_model=False,
+                            get_sliding_window=lambda: None)
     cfg.speculative_config = SimpleNamespace(method="draft_model", num_speculative_tokens=2,
                                              rejection_sample_method="standard", draft_model_config=draft)
     cfg.model_config.get_vocab_size = lambda: 49152
+    cfg.cache_config = SimpleNamespace(cache_dtype="auto")
     assert refusal(cfg) is None
+    cfg.cache_config.cache_dtype = "fp8"
+    assert "--kv-cache-dtype fp8 with a draft model" in refusal(cfg)
+    cfg.cache_config.cache_dtype = "auto"
+    cfg.lora_config = object()  # either method
+    assert "--enable-lora is not verified" in refusal(cfg)
+    del cfg.lora_config
+    draft.get_sliding_window = lambda: 4096
+    assert "sliding-window" in refusal(cfg)
+    draft.get_sliding_window = lambda: None
     cfg.speculative_config.use_heterogeneous_vocab = True
     assert "target's tokenizer" in refusal(cfg)
     del cfg.speculative_config.use_heterogeneous_vocab
     draft.is_hybrid = True
-    assert "text-only attention models" in refusal(cfg)
+    assert "text-only full-attention models" in refusal(cfg)
 
 
 def test_drafts_are_capped_by_the_schedulers_count():

@@ -7,7 +7,8 @@ without linear-attention layers), num_speculative_tokens up to vLLM's
 rejection-sampler limit of 128 (the scheduler's count for the next step,
 `num_spec_tokens_to_schedule`, caps a request's drafts). Refused with the
 alternative: the other model proposers (EAGLE, MTP, Medusa, ...), a draft
-model of another vocabulary, rejection methods other than vLLM's standard
+model of another vocabulary (or hybrid, image, sliding-window, or with an
+8-bit KV cache), LoRA adapters, rejection methods other than vLLM's standard
 one, speculation across tensor / pipeline parallel ranks, over
 linear-attention (recurrent) state, with images or with a KV connector.
 A draft model runs with synchronous scheduling (vLLM's default for it is
@@ -54,9 +55,16 @@ def refusal(vllm_config) -> str | None:
                     f"{target.get_vocab_size() if target is not None else '?'}: vllm-metal drafts only with a model "
                     "of the target's tokenizer (same vocabulary); use method 'ngram', or a draft model of the "
                     "target's family")
-        if draft.is_hybrid or draft.is_multimodal_model:
-            return (f"draft model {draft.model} is a hybrid (recurrent-state) or image model: vllm-metal drafts "
-                    "with text-only attention models; use a plain decoder of the target's vocabulary, or 'ngram'")
+        if draft.is_hybrid or draft.is_multimodal_model or draft.get_sliding_window():
+            return (f"draft model {draft.model} is a hybrid (recurrent-state), image or sliding-window model: "
+                    "vllm-metal drafts with text-only full-attention models (the ones its tests prove); use a "
+                    "plain decoder of the target's vocabulary, or 'ngram'")
+        if vllm_config.cache_config.cache_dtype not in (None, "auto"):
+            return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with a draft model is not verified by "
+                    "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return ("speculative decoding with --enable-lora is not verified by vllm-metal yet (a verify row would "
+                "carry its request's adapter, untested): drop --speculative-config or --enable-lora")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         return (f"vllm-metal serves speculative decoding on one rank: --speculative-config with tensor parallel "
@@ -97,6 +105,7 @@ def speculative_capability() -> dict:
                    "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution); a "
                    "draft model's cache written in the same graph, its k passes one more",
             "refused": ["model proposers other than a draft model (EAGLE, MTP, Medusa, ...)",
-                        "a draft model of another vocabulary, or a hybrid / image draft model", "ngram_gpu (use ngram)",
+                        "a draft model of another vocabulary, a hybrid / image / sliding-window draft model, or one "
+                        "with an 8-bit KV cache", "--enable-lora", "ngram_gpu (use ngram)",
                         "rejection methods other than standard", "tensor / pipeline parallel ranks",
                         "hybrid (recurrent-state) models", "image models", "a KV connector"]}
