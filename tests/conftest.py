@@ -28,6 +28,7 @@ from vllm_metal.native import ops  # noqa: F401  (must precede any other mlx imp
 # first, the long files overlap the many short ones instead of running alone at the end.
 LONG_FILES = (
     "tests/speculative/test_engine_speculation.py",
+    "tests/speculative/test_mtp.py",
     "tests/models/test_model_families.py",
     "tests/distributed/test_engines.py",
     "tests/reliability/test_soak.py",

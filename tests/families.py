@@ -230,16 +230,16 @@ def config_of(model_type: str) -> dict:
 
 
 def build(model_type: str, out: Path, tokenizer_dir: str, seed: int = 0, bits: int | None = None,
-          group_size: int = 32, mixed: bool = False) -> str:
+          group_size: int = 32, mixed: bool = False, overrides: dict | None = None) -> str:
     """Writes the tiny `model_type` model to `out`; returns its path. With
     `bits`, MLX-quantized as `mlx_lm.convert -q` writes it (`quantization`
     and `quantization_config` in config.json); `mixed` adds per-layer
     overrides as mlx-lm's mixed recipes write them (8-bit embeddings and MLP
-    down projections, group size 32)."""
+    down projections, group size 32). overrides: config fields over the family's."""
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
 
-    config = config_of(model_type)
+    config = {**config_of(model_type), **(overrides or {})}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(seed)

@@ -63,6 +63,44 @@ def draft_config(draft: str) -> dict:
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
 
 
+def record_drafts(runner, into: list) -> None:
+    """Every proposal of the runner's draft model as (the request's tokens, its drafts)."""
+    drafter = runner.speculator.model
+    propose = drafter.propose
+
+    def recording(rows, req_ids, positions, tail, want, inputs_for):
+        drafts = propose(rows, req_ids, positions, tail, want, inputs_for)
+        into.extend((list(tail(r, 0)), d) for r, d in zip(req_ids, drafts))
+        return drafts
+
+    drafter.propose = recording
+
+
+def check_drafts_against_mlx_lm(draft_dir: str, records: list, every: int) -> int:
+    """Every `every`-th recorded proposal (and each request's first: its catch-up) is
+    mlx-lm's greedy continuation of the draft model's own weights; returns how many were checked."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(draft_dir)
+    seen, checked = set(), 0
+    for i, (tokens, drafts) in enumerate(records):
+        first = tuple(tokens[:8]) not in seen
+        seen.add(tuple(tokens[:8]))
+        if not drafts or not (first or i % every == 0):
+            continue
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(tokens)[None], cache=cache)
+        want = []
+        for _ in drafts:
+            want.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model(mx.array([[want[-1]]]), cache=cache)
+        assert drafts == want, (i, len(tokens), drafts, want)
+        checked += 1
+    return checked
+
+
 def greedy_workload():
     prompts = [g["prompt_ids"] for g in GOLDEN[:7]] + [COPY]
     params = [SamplingParams(temperature=0, max_tokens=32 - 3 * i, ignore_eos=True) for i in range(7)]
@@ -150,7 +188,11 @@ def runs(model_dir, draft_dir):
                 # with a draft model (vLLM's default there is async): the proposal needs the tokens.
                 assert s.budget is None and not runner.async_scheduling
                 assert (s.model is not None) == (method == "draft")
+                if method == "draft":
+                    record_drafts(runner, out.setdefault(("draft", "proposals"), []))
                 out[method, "greedy"] = generate(llm, prompts, params)
+                if method == "draft":
+                    del runner.speculator.model.propose  # recorded only for the greedy workload
                 out[method, "counts"] = s.drafted, s.accepted, s.verified_rows
                 out[method, "metrics"] = metrics(llm)
                 out[method, "options"] = generate(llm, [p for p, _, _ in options], [q for _, q, _ in options])
@@ -184,6 +226,13 @@ def test_greedy_with_speculation_is_the_golden_output(runs, method):
     assert accepted > 10 and drafted - accepted > 10, runs[method, "counts"]  # drafts kept and drafts rejected
 
 
+def test_the_draft_models_proposals_are_its_own_greedy_continuations(runs, draft_dir):
+    """The draft cache is written lazily (a request's whole history the first time it
+    drafts, then the tokens since), and shares prefix-cached blocks: each proposal is
+    what mlx-lm's greedy decoding of the draft model's weights continues the request's tokens with."""
+    assert check_drafts_against_mlx_lm(draft_dir, runs["draft", "proposals"], every=7) >= 8
+
+
 @METHODS
 def test_counts_are_vllms_spec_decode_metrics(runs, method):
     drafted, accepted, rows = runs[method, "counts"]
@@ -215,11 +264,16 @@ def test_preemption_and_copies_through_a_tiny_cache(model_dir, draft_dir, runs, 
     config, layers = (NGRAM, 30) if method == "ngram" else (draft_config(draft_dir), 58)
     with engine(model_dir, speculative_config=config, kv_cache_memory_bytes=48 * BYTES_PER_BLOCK * layers // 30,
                 max_num_seqs=8, max_model_len=512, enable_prefix_caching=False) as llm:
-        got = generate(llm, *preemption_workload())
         runner = runner_of(llm)
+        proposals = []
+        if method == "draft":
+            record_drafts(runner, proposals)
+        got = generate(llm, *preemption_workload())
         assert runner.batch.num_resumed > 0, "the tiny cache should have forced preemptions"
         assert runner.speculator.accepted > 0 and runner.speculator.budget is not None  # the default: budgeted
     assert got == runs["plain", "preempted"]
+    if method == "draft":  # resumed requests catch up again (their blocks were freed)
+        assert check_drafts_against_mlx_lm(draft_dir, proposals, every=5) >= 4
 
 
 @METHODS
@@ -248,7 +302,7 @@ def test_seeded_random_sampling_keeps_the_target_distribution(runs, method):
     ({"method": "draft_model", "model": "{other_vocab}", "num_speculative_tokens": 2},
      r"Target and draft model should have the same vocabulary size"),  # vLLM's own check, at start
     ({"method": "eagle", "model": "{model}", "num_speculative_tokens": 2},
-     r"method 'eagle' asks for speculative decoding other than host n-gram or a draft model"),
+     r"method 'eagle' asks for speculative decoding other than host n-gram, a draft model or a GLM-4.x MTP"),
 ])
 def test_what_is_not_served_is_refused_at_start(model_dir, mlx_model_dir, tmp_path, spec, message):
     from vllm.engine.arg_utils import EngineArgs

@@ -41,7 +41,7 @@ from vllm_metal.engine.persistent_batch import PersistentBatch
 from vllm_metal.engine.pooling_runner import PoolingSide
 from vllm_metal.engine.sampling import greedy_in_graph, only_builtin_logitsprocs
 from vllm_metal.engine.state_align import AlignedStateIndex
-from vllm_metal.engine.step_inputs import build_step_inputs
+from vllm_metal.engine.step_inputs import build_step_inputs, rows_inputs
 from vllm_metal.engine.step_output import AsyncStepOutput, PendingStep, collect, connector_output, sample_step
 from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.cpu_norm_rope import cpu_norm_rope_enabled
@@ -49,8 +49,7 @@ from vllm_metal.models.fused_projections import fuse_projections_enabled
 from vllm_metal.models.loader import LoadedModel, load_model
 from vllm_metal.multimodal.serving import MultimodalStep, build as build_multimodal
 from vllm_metal.multimodal.serving import weights_bytes as weights_bytes_of_tower
-from vllm_metal.speculative.draft_model import ModelDrafter, load_drafter
-from vllm_metal.speculative.speculator import Speculator
+from vllm_metal.speculative.speculator import ModelProposer, Speculator
 
 logger = init_logger("vllm." + __name__)  # under vLLM's configured "vllm" logger
 
@@ -132,9 +131,9 @@ class MetalModelRunner:
                                     config_path=self.model_config.hf_config_path)
         m = self.mlx_model
         spec = self.speculator
-        if spec is not None and spec.drafter is None:  # --speculative-config with a draft model
-            spec.model = load_drafter(self.vllm_config.speculative_config, dtype, dequantize,
-                                      fuse_projections_enabled(self.device), cpu_norm_rope_enabled(self.device))
+        if spec is not None and spec.drafter is None:  # --speculative-config with a draft model or MTP layer
+            spec.load_model(self.vllm_config.speculative_config, m, dtype, dequantize,
+                            fuse_projections_enabled(self.device), cpu_norm_rope_enabled(self.device))
         mm = getattr(self.model_config, "multimodal_config", None)
         if mm is not None and self.model_config.is_multimodal_model and not mm.language_model_only:
             self.multimodal = build_multimodal(self.model_config, m, m.dtype)  # images (multimodal/)
@@ -173,7 +172,7 @@ class MetalModelRunner:
         return specs
 
     @property
-    def draft(self) -> ModelDrafter | None:  # --speculative-config with a draft model
+    def draft(self) -> ModelProposer | None:  # --speculative-config with a draft model / MTP
         return self.speculator.model if self.speculator is not None else None
 
     def kv_bytes_ratio(self) -> float:
@@ -220,7 +219,7 @@ class MetalModelRunner:
         mx.async_eval(*arrays)
 
     def _forward(self, inputs, logit_rows: np.ndarray, argmax: bool = False,
-                 after: mx.array | None = None, defer: bool = False):
+                 after: mx.array | None = None, defer: bool = False, mtp=None):
         """The whole model over the packed step as one graph, its evaluation
         started (awaited unless async scheduling is on) or, with `defer`,
         returned as a callable that starts it (PendingStep.launch); the
@@ -232,15 +231,15 @@ class MetalModelRunner:
         evaluation starts only once that step is done: MLX's CPU backend
         decides at dispatch whether a cache write may reuse its input's
         buffer, and a buffer still held by the previous step's work would
-        be copied whole (the KV cache, every layer, every step)."""
+        be copied whole (the KV cache, every layer, every step). `mtp`: the
+        MTP layer's share of the graph, from the hidden states (speculative/mtp.py)."""
         self.forward_passes += 1
         m = self.mlx_model
         # An adapter may target the head: then its tokens come from the model's own logits.
-        out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None)
+        hidden = [] if mtp is not None else None  # (the MTP layer reads the final hidden states)
+        out = m.forward(self.kv, inputs, logit_rows, greedy=argmax, fused_head=self.adapters is None, hidden_out=hidden)
         sends = m.transport.take_pending() if m.transport is not None else []
-        draft = self.draft if self.draft is not None and self.draft.switch.writing else None  # (draft_model.py)
-        drafted = draft.write(inputs) if draft is not None else []  # the draft model's cache, same graph
-        arrays = [*([out] if out is not None else []), *sends, self.kv.arrays(), drafted]  # this step's caches
+        arrays = [*([out] if out is not None else []), *sends, self.kv.arrays(), *(mtp(hidden[0]) if hidden else [])]
 
         def launch():
             if after is not None:
@@ -342,9 +341,10 @@ class MetalModelRunner:
         argmax = self.sample_in_graph and not plan.prompt_rows and not so.has_structured_output_requests \
             and all(greedy_in_graph(s) for s in states)
         defer = self.async_scheduling and self.device == "cpu" and connector is None and self.parallel is None
+        mtp = self.speculator.mtp_step(rows, states, spec, lambda: rows_inputs(self)) if self.speculator else None
         try:
             out, launch = self._forward(inputs, np.array(plan.logit_rows, np.int64), argmax,
-                                        prev.tokens_mx if prev is not None else None, defer)
+                                        prev.tokens_mx if prev is not None else None, defer, mtp)
         finally:
             if self.adapters is not None:
                 self.adapters.end_step()

@@ -8,6 +8,7 @@ the varlen offsets, each row's block table and each token's cache slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -110,13 +111,20 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
                       block_tables=block_tables, slot_mappings=slot_mappings)
 
 
-def one_token_rows(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int],
-                   sliding_windows: Sequence[int | None], rows: np.ndarray, positions: np.ndarray) -> StepInputs:
-    """Inputs of one token (id 0: the caller supplies the ids) for each of
-    the batch rows `rows` at `positions`, from the batch's tables (a draft
-    model's passes, speculative/draft_model.py)."""
+def token_rows(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int],
+               sliding_windows: Sequence[int | None], rows: np.ndarray, tokens: Sequence[Sequence[int]],
+               starts: np.ndarray) -> StepInputs:
+    """Inputs of tokens[i] at positions starts[i] ... for each of the batch
+    rows `rows`, from the batch's tables (a draft model's passes,
+    speculative/draft_model.py: its cache catching up, then one token a pass)."""
     picked = [(t[rows], c[rows]) for t, c in tables]
-    return build_step_inputs([ScheduledRow([0], int(p)) for p in positions], block_sizes, sliding_windows, picked)
+    return build_step_inputs([ScheduledRow(list(t), int(p)) for t, p in zip(tokens, starts)], block_sizes,
+                             sliding_windows, picked)
+
+
+def rows_inputs(runner):
+    """token_rows over the runner's batch tables: (rows, tokens, starts) -> StepInputs (a drafting model's)."""
+    return partial(token_rows, runner.batch.block_table_view(), runner.block_sizes, runner.group_windows)
 
 
 def room(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int]) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -132,7 +131,7 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
         if spec.model is not None:  # a draft model: its passes run now, over the batch's block tables
             tables = runner.batch.block_table_view()
             room = step_inputs.room(tables, runner.block_sizes)
-            inputs_for = partial(step_inputs.one_token_rows, tables, runner.block_sizes, runner.group_windows)
+            inputs_for = step_inputs.rows_inputs(runner)
         spec.propose(states, tokens, step.scheduler_output.num_spec_tokens_to_schedule, time.perf_counter(),
                      room, inputs_for)
     req_ids = [state.req_id for state in states]

@@ -142,13 +142,15 @@ class LoadedModel:
         return any(kv.layout == "state" for kv in self.layer_kv)
 
     def forward(self, kv: PagedKVCache, inputs, logit_rows: np.ndarray, greedy: bool = False,
-                fused_head: bool = True) -> mx.array | None:
+                fused_head: bool = True, hidden_out: list | None = None) -> mx.array | None:
         """One packed step (step_inputs.StepInputs) through every layer and the
         head: lazy float32 logits of the hidden rows `logit_rows` (with
         `greedy`: their argmax tokens, int32, see greedy_tokens); the caches
         in `kv` are replaced by their written versions (evaluate them with the
         logits). A pipeline stage before the last returns None: its output
-        leaves through the transport (evaluate `transport.take_pending()`)."""
+        leaves through the transport (evaluate `transport.take_pending()`).
+        hidden_out: gets the final hidden states of every token appended (an
+        MTP layer reads them: speculative/mtp.py)."""
         kv.retained = []
         kv.step = self._step_inputs(inputs)
         try:
@@ -157,6 +159,8 @@ class LoadedModel:
                                         getattr(inputs, "input_embeddings", None))
             if not self.last_stage:
                 return None
+            if hidden_out is not None:
+                hidden_out.append(hidden)
             rows = hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))]
             return self.greedy_tokens(rows, fused_head) if greedy else self.logits(rows)
         finally:

@@ -62,8 +62,6 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     the LM head is not built; a classifier's `score.*` tensors and the LM
     head's are kept, unread until used, as `head_weights` (pooling/heads.py).
     """
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if dtype not in DTYPES:
@@ -85,6 +83,19 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     except (ValueError, TypeError, KeyError) as e:  # unknown type, missing or bad config fields
         raise NotImplementedError(f"mlx-lm cannot build model type {checkpoint.model_type!r} from "
                                   f"{checkpoint.source}: {type(e).__name__}: {e}") from e
+    return prepare_model(model, config, dtype, dequantize, materialize, fuse, norm_rope, parallel, head_weights)
+
+
+def prepare_model(model: nn.Module, config: dict, dtype: str = "float32", dequantize: bool = False,
+                  materialize: bool = True, fuse: bool = False, norm_rope: bool = False,
+                  parallel: ParallelPlan | None = None, head_weights: dict | None = None) -> LoadedModel:
+    """An mlx-lm model built (load_model; or in memory: a checkpoint's MTP
+    layer, speculative/mtp.py) made ready for the paged path: its attention
+    layers paged, its weights cast, fused and evaluated as load_model says."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    head_weights = {} if head_weights is None else head_weights
     family = check_served(config.get("model_type"))
     if family.linear:
         state_writeback_mode()  # a bad VLLM_METAL_STATE_WRITEBACK is refused here, not at the first step

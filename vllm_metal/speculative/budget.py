@@ -14,8 +14,10 @@ such rule; this one keeps vLLM's drafts, only shortened:
   least-squares fit over the recent decode steps (steps with prompt tokens
   left out); until the fit exists every draft is kept (vLLM's behaviour);
 - each request's acceptance alpha is counted (accepted drafts against rows
-  that ended in a rejection, with a weak prior), and its j-th draft is worth
-  alpha^j expected tokens;
+  that ended in a rejection, with a weak prior: with `pooled`, a draft
+  model's, the prior is the acceptance pooled over every request so far --
+  a new request of a draft model that drafts badly starts from its record),
+  and its j-th draft is worth alpha^j expected tokens;
 - drafts are taken best first while each adds more tokens per second than
   the step makes with those already taken (the ratio tokens / time is
   maximised greedily: a draft of worth w pays iff w > rate x per_row);
@@ -33,6 +35,7 @@ import numpy as np
 
 # The prior on a request's acceptance: PRIOR_ACCEPTED accepted drafts and PRIOR_REJECTED rejections.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
+POOL_DECAY = 0.99  # the pooled counts' weight per verified row (recent rows count most)
 WINDOW = 64  # decode steps in the cost fit
 # The rows the fit needs: a range of at least MIN_RANGE and a standard deviation of at least
 # MIN_SPREAD (else: the last fit, or none) -- one probe in PROBE_EVERY steps gives both.
@@ -41,7 +44,10 @@ PROBE_EVERY = 8  # without a fit and with rows that do not vary: one step in thi
 
 
 class DraftBudget:
-    def __init__(self):
+    def __init__(self, pooled: bool = False):
+        self.pooled = pooled
+        self.pool_accepted = self.pool_rejected = 0.0  # decayed counts over every request's verified rows
+        self.pool_rows = 0  # verified rows pooled since the last reset_pool
         self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
         self.base: float | None = None  # seconds
         self.per_row: float | None = None  # seconds per row
@@ -67,10 +73,22 @@ class DraftBudget:
     def observe_verify(self, req_id: str, drafted: int, accepted: int) -> None:
         self.accepted[req_id] = self.accepted.get(req_id, 0.0) + accepted
         self.rejected[req_id] = self.rejected.get(req_id, 0.0) + (accepted < drafted)
+        self.pool_accepted = self.pool_accepted * POOL_DECAY + accepted
+        self.pool_rejected = self.pool_rejected * POOL_DECAY + (accepted < drafted)
+        self.pool_rows += 1
+
+    def reset_pool(self) -> None:
+        self.pool_accepted = self.pool_rejected = 0.0
+        self.pool_rows = 0
 
     def acceptance(self, req_id: str) -> float:
-        a = self.accepted.get(req_id, 0.0) + PRIOR_ACCEPTED
-        return a / (a + self.rejected.get(req_id, 0.0) + PRIOR_REJECTED)
+        prior_a, prior_r = PRIOR_ACCEPTED, PRIOR_REJECTED
+        if self.pooled:  # the prior's weight stays two rows; its rate is the pool's
+            rate = (self.pool_accepted + PRIOR_ACCEPTED) / (
+                self.pool_accepted + self.pool_rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+            prior_a, prior_r = rate * (PRIOR_ACCEPTED + PRIOR_REJECTED), (1 - rate) * (PRIOR_ACCEPTED + PRIOR_REJECTED)
+        a = self.accepted.get(req_id, 0.0) + prior_a
+        return a / (a + self.rejected.get(req_id, 0.0) + prior_r)
 
     def allot(self, proposals: dict[str, int], batch: int) -> dict[str, int]:
         """req_id -> how many of its proposed drafts to keep, for a step of `batch` requests."""

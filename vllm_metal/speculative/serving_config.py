@@ -1,18 +1,20 @@
 """What `--speculative-config` may ask for here, checked in the API and
 engine processes before anything loads (no MLX import: the platform runs it).
 
-Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max) and
+Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max),
 "draft_model" (a smaller model of the same vocabulary, any served family
-without linear-attention layers), num_speculative_tokens up to vLLM's
-rejection-sampler limit of 128 (the scheduler's count for the next step,
-`num_spec_tokens_to_schedule`, caps a request's drafts). Refused with the
-alternative: the other model proposers (EAGLE, MTP, Medusa, ...), a draft
-model of another vocabulary (or hybrid, image, sliding-window, or with an
-8-bit KV cache), LoRA adapters, rejection methods other than vLLM's standard
-one, speculation across tensor / pipeline parallel ranks, over
-linear-attention (recurrent) state, with images or with a KV connector.
-A draft model runs with synchronous scheduling (vLLM's default for it is
-async): its proposal needs the step's accepted tokens on the host.
+without linear-attention layers) and "mtp" (the checkpoint's own
+multi-token-prediction layer: MTP_FAMILIES), num_speculative_tokens up to
+vLLM's rejection-sampler limit of 128 (the scheduler's count for the next
+step, `num_spec_tokens_to_schedule`, caps a request's drafts). Refused with
+the alternative: the other model proposers (EAGLE, Medusa, MTP of other
+families, ...), a draft model of another vocabulary (or hybrid, image,
+sliding-window, or with an 8-bit KV cache), an 8-bit KV cache with MTP, LoRA
+adapters, rejection methods other than vLLM's standard one, speculation
+across tensor / pipeline parallel ranks, over linear-attention (recurrent)
+state, with images or with a KV connector. A draft model and MTP run with
+synchronous scheduling (vLLM's default for them is async): their passes
+need the step's accepted tokens on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 # vLLM's rejection sampler verifies at most this many drafts per request a step.
 MAX_DRAFTS = 128
 
-SERVED_METHODS = ("ngram", "draft_model")
+SERVED_METHODS = ("ngram", "draft_model", "mtp")
+# Families whose checkpoints' multi-token-prediction layer vllm-metal runs (speculative/mtp.py).
+MTP_FAMILIES = ("glm4_moe",)
 
 
 def refused_method(spec_config) -> str | None:
@@ -38,7 +42,8 @@ def refusal(vllm_config) -> str | None:
     method = refused_method(spec)
     if method is not None:
         alt = "method 'ngram': the same prompt lookup, on the host" if method == "ngram_gpu" else \
-            "method 'ngram' (prompt lookup) or 'draft_model' (a smaller model of the same vocabulary)"
+            "method 'ngram' (prompt lookup), 'draft_model' (a smaller model of the same vocabulary) or 'mtp' " \
+            f"(the checkpoint's own next-token layers: {', '.join(MTP_FAMILIES)})"
         return (f"speculative decoding with method {method!r} is not served by vllm-metal yet (its proposer "
                 f"runs a model in vLLM's CUDA runner); use {alt}, or drop --speculative-config")
     k = spec.num_speculative_tokens
@@ -61,6 +66,17 @@ def refusal(vllm_config) -> str | None:
                     "plain decoder of the target's vocabulary, or 'ngram'")
         if vllm_config.cache_config.cache_dtype not in (None, "auto"):
             return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with a draft model is not verified by "
+                    "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
+    if spec.method == "mtp":
+        hf = getattr(vllm_config.model_config, "hf_config", None)
+        family = getattr(hf, "model_type", None)
+        layers = getattr(hf, "num_nextn_predict_layers", None) or 0
+        if family not in MTP_FAMILIES or layers < 1:
+            return (f"--speculative-config method 'mtp' needs a checkpoint with multi-token-prediction layers "
+                    f"that vllm-metal runs ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers >= 1); "
+                    f"this is a {family} model with {layers}: use method 'ngram' or 'draft_model'")
+        if vllm_config.cache_config.cache_dtype not in (None, "auto"):
+            return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with MTP is not verified by "
                     "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
     if getattr(vllm_config, "lora_config", None) is not None:
         return ("speculative decoding with --enable-lora is not verified by vllm-metal yet (a verify row would "
@@ -89,12 +105,12 @@ def check_speculative_config(vllm_config, logger=None) -> None:
     if reason is not None:
         raise ValueError(reason)
     spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
-    if spec is not None and spec.method == "draft_model" and sched.async_scheduling:
+    if spec is not None and spec.method in ("draft_model", "mtp") and sched.async_scheduling:
         # vLLM's GPU runner keeps the drafts on the device and corrects the next step's
         # positions there; here the draft passes read the accepted tokens on the host.
         if logger is not None:
-            logger.info("vllm-metal: async scheduling off with a draft model (its passes start from the "
-                        "step's accepted tokens, on the host)")
+            logger.info("vllm-metal: async scheduling off with %s (its passes start from the step's "
+                        "accepted tokens, on the host)", "MTP" if spec.method == "mtp" else "a draft model")
         sched.async_scheduling = False
 
 
@@ -103,8 +119,11 @@ def speculative_capability() -> dict:
     return {"served": list(SERVED_METHODS),
             "how": "drafts verified in the step's one graph (a row of query length k + 1), accepted with "
                    "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution); a "
-                   "draft model's cache written in the same graph, its k passes one more",
-            "refused": ["model proposers other than a draft model (EAGLE, MTP, Medusa, ...)",
+                   "draft model's cache written as a request drafts, its k passes one graph; MTP ("
+                   f"{', '.join(MTP_FAMILIES)} checkpoints' next-token layer): its cache written in the step's "
+                   "graph, its passes one graph",
+            "refused": ["model proposers other than a draft model or MTP layer (EAGLE, Medusa, ...)",
+                        f"MTP of families other than {', '.join(MTP_FAMILIES)}, or with an 8-bit KV cache",
                         "a draft model of another vocabulary, a hybrid / image / sliding-window draft model, or one "
                         "with an 8-bit KV cache", "--enable-lora", "ngram_gpu (use ngram)",
                         "rejection methods other than standard", "tensor / pipeline parallel ranks",

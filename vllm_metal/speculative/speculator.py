@@ -32,7 +32,11 @@ from vllm_metal import envs
 from vllm_metal.speculative import rejection
 from vllm_metal.speculative.budget import DraftBudget
 from vllm_metal.speculative.draft_model import InputsFor, ModelDrafter
+from vllm_metal.speculative.mtp import MtpDrafter
 from vllm_metal.speculative.ngram import NgramDrafter
+
+
+ModelProposer = ModelDrafter | MtpDrafter  # a drafting model: a draft model or the target's MTP layer
 
 
 @dataclass(frozen=True)
@@ -52,22 +56,52 @@ def may_draft(state) -> bool:
             and (not p.min_tokens or len(state.output_token_ids) >= p.min_tokens))
 
 
+def tail(state, position: int) -> list[int]:
+    """A request's tokens from `position` to its newest (prompt, then output)."""
+    prompt, out = state.prompt_token_ids, state.output_token_ids
+    if position >= len(prompt):
+        return out[position - len(prompt):]
+    return [*prompt[position:], *out]
+
+
 class Speculator:
     def __init__(self, spec_config, max_model_len: int, custom_logitsprocs: bool):
         self.k = spec_config.num_speculative_tokens
-        # n-gram lookup on the host, or a draft model (set by the runner once loaded: draft_model.py)
+        # n-gram lookup on the host, or a model: a draft model (draft_model.py) or the target's MTP
+        # layer (mtp.py), set by the runner's load_model through `load_model`
         self.drafter = NgramDrafter(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.k,
                                     max_model_len) if spec_config.method == "ngram" else None
-        self.model: ModelDrafter | None = None
+        self.model: ModelProposer | None = None
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
         # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
-        self.budget = DraftBudget() if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
+        self.budget = DraftBudget(pooled=spec_config.method == "draft_model") \
+            if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
         # Instrumentation (tests, benchmarks): drafts verified, accepted, rows verified.
         self.drafted = 0
         self.accepted = 0
         self.verified_rows = 0
+
+    def load_model(self, spec_config, target, dtype: str, dequantize: bool, fuse: bool, norm_rope: bool) -> None:
+        """The drafting model of `--speculative-config`, loaded as the target is."""
+        if spec_config.method == "mtp":
+            from vllm_metal.speculative.mtp import load_mtp
+
+            self.model = load_mtp(target, spec_config.target_model_config.model, spec_config, dtype, dequantize,
+                                  fuse, norm_rope)
+        else:
+            from vllm_metal.speculative.draft_model import load_drafter
+
+            self.model = load_drafter(spec_config, dtype, dequantize, fuse, norm_rope)
+
+    def mtp_step(self, rows, states, spec: dict, inputs_for_factory):
+        """The MTP layer's share of the step graph (a callable of the step's
+        hidden states: MtpDrafter.write_step), or None without one.
+        inputs_for_factory(): the runner's step inputs for given rows (step_inputs.rows_inputs)."""
+        if not isinstance(self.model, MtpDrafter):
+            return None
+        return lambda hidden: self.model.write_step(rows, states, spec, hidden, inputs_for_factory())
 
     def accept(self, verify: list[VerifyRow], states, sampled: list[list[int]],
                target_argmax: list[int] | None, target_logits: torch.Tensor | None) -> list[list[int]]:
@@ -95,7 +129,10 @@ class Speculator:
         self.drafted += drafts
 
     def step_started(self, so, now: float) -> None:
-        """Times a step whose every row decodes (one token, or one plus its drafts) for the budget's cost fit."""
+        """Times a step whose every row decodes (one token, or one plus its drafts) for the budget's cost
+        fit; preempted and resumed requests' draft caches start over."""
+        if self.model is not None:
+            self.model.restart([*(so.preempted_req_ids or ()), *so.scheduled_cached_reqs.resumed_req_ids])
         spec = so.scheduled_spec_decode_tokens
         drafts = sum(len(d) for d in spec.values())
         decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) + drafts
@@ -107,7 +144,7 @@ class Speculator:
         and may draft, vLLM's n-gram proposal or the draft model's, kept
         (n-gram) or drafted (model) as far as the budget says it pays.
         room, inputs_for: the tokens each batch row's blocks hold, and the
-        step inputs of one token per row (the runner's; a draft model's passes)."""
+        step inputs of given tokens per row (the runner's; a draft model's passes)."""
         candidates = [i for i, (state, new) in enumerate(zip(states, tokens))
                       if new and self.enabled and may_draft(state)]
         if self.model is not None:
@@ -118,13 +155,22 @@ class Speculator:
                                                                 states[i].output_token_ids, k) for i in candidates}
             lengths = {r: len(d) for r, d in proposals.items() if d}
         keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
-        if self.model is not None:  # only the drafts the budget keeps are drafted
-            keep = self.model.switch.step([s.req_id for s in states], keep, self.budget)
-            rows = np.array([i for i in candidates if keep.get(states[i].req_id, 0)], np.int64)
+        if isinstance(self.model, MtpDrafter):  # pass 1 for every row with a token, drafts as kept
+            rows = np.array([i for i, new in enumerate(tokens) if new], np.int64)
             drafted = self.model.propose(rows, np.array([states[i].num_tokens - 1 for i in rows], np.int64),
                                          [states[i].output_token_ids[-1] for i in rows],
-                                         [keep[states[i].req_id] for i in rows], inputs_for)
+                                         [keep.get(states[i].req_id, 0) for i in rows], inputs_for)
             proposals = {states[i].req_id: d for i, d in zip(rows, drafted)}
+        elif self.model is not None:  # only the drafts the budget keeps are drafted
+            keep = self.model.gate.step(keep, self.model.written, self.budget)
+            rows = np.array([i for i in candidates if keep.get(states[i].req_id, 0)], np.int64)
+            by_id = {states[i].req_id: states[i] for i in rows}
+            drafted = self.model.propose(rows, [states[i].req_id for i in rows],
+                                         np.array([states[i].num_tokens - 1 for i in rows], np.int64),
+                                         lambda r, p: tail(by_id[r], p), [keep[states[i].req_id] for i in rows],
+                                         inputs_for)
+            proposals = {states[i].req_id: d for i, d in zip(rows, drafted)}
+        if self.model is not None:
             now = time.perf_counter() if now is not None else None  # the passes are part of the step's time
         if self._step is not None and now is not None and self.budget is not None:
             self.budget.observe_step(self._step[1], now - self._step[0])
@@ -140,6 +186,6 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.forget(req_ids)
         if self.model is not None:
-            self.model.switch.forget(req_ids)
+            self.model.restart(req_ids)
         if self.budget is not None:
             self.budget.forget(req_ids)

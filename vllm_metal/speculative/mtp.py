@@ -1,0 +1,251 @@
+"""Multi-token prediction (vLLM's method "mtp"): the checkpoint's own
+next-token layer -- GLM-4.5 / 4.6 / 4.7's `num_nextn_predict_layers` -- as
+the drafter. mlx-lm drops these weights at load (its sanitize); they are
+read here and run on mlx-lm's own decoder block of the family.
+
+The layer (vLLM's Glm4MoeMultiTokenPredictorLayer, same weights, same
+arithmetic): for the pair (token t_{i+1}, the target's final hidden state
+h_i) at position i, x = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) (the
+embedding zeroed at position 0, as vLLM does), then one decoder block with
+its own paged KV cache (`layer_name`: vLLM sizes and groups it with the
+target's, one block table addresses both), giving m_i; its draft is
+argmax(head(shared_head.norm(m_i))) for position i + 2. Pass j > 1 feeds
+the draft and m of the pass before at the next position (vLLM chains the
+one layer the same way for k > 1).
+
+Where it runs: every pair whose next token the host knows before the step
+(prompt tokens, scheduled drafts) is written in the target's step graph
+(`write_step`, from the step's hidden states); a row's last position waits
+for its sampled token: pass 1, after the step, runs it for every request
+that got a token (drafting or not: the cache stays whole) and drafts for
+those the budget keeps; passes 2..k one token each; all passes one lazy
+graph, evaluated once. A pair written with a draft that is then rejected
+is written again by pass 1 (the last accepted position) or by the next
+step (the positions after it). A prefix-cached block's last slot holds the
+pair of the request that wrote it (the next token may differ for a request
+sharing only that block): a draft from it is still verified -- vLLM's MTP
+shares the same cache the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from vllm_metal.models.attention_adapter import PagedKVCache
+from vllm_metal.models.loaded_model import LoadedModel, decoder_owner
+from vllm_metal.speculative.draft_model import InputsFor
+
+# Families whose MTP layer is a decoder block of the family itself: model_type -> the
+# one-layer config of that block (block index i of a model of n layers).
+MTP_FAMILIES = {
+    "glm4_moe": lambda config, i: {"first_k_dense_replace": 0 if i >= config["first_k_dense_replace"] else 1},
+}
+EXTRAS = ("enorm", "hnorm", "eh_proj", "shared_head")  # the layer's own modules beside its decoder block
+
+
+class _Given:
+    """Stands in for the block's token embedding: the combined input rows of this pass."""
+
+    rows: mx.array | None = None
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.rows
+
+
+def mtp_layer_count(config: dict) -> int:
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def _checkpoint_tensors(directory: Path, prefix: str) -> dict[str, mx.array]:
+    """The checkpoint's tensors whose names start with `prefix` (lazy where MLX allows)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if k.startswith(prefix)})
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    out: dict[str, mx.array] = {}
+    for name in files:
+        out.update({k: v for k, v in mx.load(str(directory / name)).items() if k.startswith(prefix)})
+    return out
+
+
+class MtpDrafter:
+    def __init__(self, block: LoadedModel, embed: nn.Module, extras: dict[str, nn.Module], k: int,
+                 max_model_len: int):
+        self.model, self.embed, self.k, self.max_model_len = block, embed, k, max_model_len
+        self.enorm, self.hnorm, self.eh_proj, self.shared_norm = (extras[n] for n in
+                                                                  ("enorm", "hnorm", "eh_proj", "shared_norm"))
+        self.given = decoder_owner(block.model)["model"].embed_tokens
+        self.kv: PagedKVCache | None = None
+        # The step's hidden rows a request's pass 1 may need (its last 1 + drafts positions), and
+        # per batch row (index of its first such row, that row's position).
+        self.frontier: mx.array | None = None
+        self.frontier_at: dict[int, tuple[int, int]] = {}
+        self.passes = 0  # passes run (instrumentation)
+
+    @staticmethod
+    def layer_name(i: int) -> str:
+        return f"mtp.layers.{i}.self_attn"
+
+    def restart(self, req_ids) -> None:
+        """(A preempted request's MTP cache is recomputed with its target cache: nothing to forget.)"""
+
+    def reach(self, position: int, room: int) -> int:
+        """Drafts for a request whose newest token sits at `position`: pass j
+        writes position + j - 2 (within its blocks' `room`), drafts land below max_model_len."""
+        return max(0, min(self.k, room - position + 1, self.max_model_len - 1 - position))
+
+    def run(self, inputs, tokens: mx.array, previous: mx.array) -> mx.array:
+        """The layer over `inputs`' pairs (their next tokens, the hidden rows
+        before them): its output rows m (lazy), its cache written."""
+        e = self.embed(tokens)
+        first = inputs.positions == 0
+        if first.any():
+            e = mx.where(mx.array(first)[:, None], mx.zeros_like(e), e)
+        self.given.rows = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(previous.astype(e.dtype))],
+                                                      axis=-1))[None]
+        try:
+            return self.model.forward_hidden(self.kv, inputs)
+        finally:
+            self.given.rows = None
+
+    def drafts(self, m: mx.array) -> mx.array:
+        return self.model.greedy_tokens(self.shared_norm(m.astype(self.model.dtype)))
+
+    def write_step(self, rows, states, spec: dict[str, list[int]], hidden: mx.array,
+                   inputs_for: InputsFor) -> list[mx.array]:
+        """In the target's step graph: the pairs of every batch row whose next
+        token is known before the step (rows[i]: its ScheduledRow; states[i]:
+        its request; spec: the scheduled drafts, all -1: placeholders), from
+        the step's hidden states; and the hidden rows of each sampling row's
+        last 1 + drafts positions, kept for pass 1. The arrays to evaluate with the step."""
+        batch_rows, tokens, starts, picks, frontier = [], [], [], [], []
+        self.frontier_at, offset = {}, 0
+        for i, (row, state) in enumerate(zip(rows, states)):
+            ids, start = list(row.token_ids), row.num_computed
+            drafts = spec.get(state.req_id) or []
+            padded = bool(drafts) and all(d < 0 for d in drafts)
+            real = len(ids) - (len(drafts) if padded else 0)  # tokens whose hidden rows mean something
+            d = 0 if padded else len(drafts)
+            end = start + real  # the position after the row's last real token
+            nxt = state.tokens(end, end + 1)[0] if d == 0 and end < state.num_tokens else None
+            pairs = ids[1:real] + ([nxt] if nxt is not None else [])
+            if pairs:
+                batch_rows.append(i)
+                tokens.append(pairs)
+                starts.append(start)
+                picks.extend(range(offset, offset + len(pairs)))
+            if nxt is None:  # it samples: pass 1 reads one of its last 1 + d rows
+                self.frontier_at[i] = (len(frontier), end - 1 - d)
+                frontier.extend(range(offset + real - 1 - d, offset + real))
+            offset += len(ids)
+        self.frontier = hidden[mx.array(np.asarray(frontier, np.int32))] if frontier else None
+        out = [self.frontier] if frontier else []
+        if batch_rows:
+            inputs = inputs_for(np.asarray(batch_rows, np.int64), tokens, np.asarray(starts, np.int64))
+            ids = mx.array(np.asarray([t for ts in tokens for t in ts], np.int32))
+            self.run(inputs, ids, hidden[mx.array(np.asarray(picks, np.int32))])
+            out.extend(self.kv.arrays())
+        return out
+
+    def propose(self, rows: np.ndarray, positions: np.ndarray, newest: Sequence[int], want: Sequence[int],
+                inputs_for: InputsFor) -> list[list[int]]:
+        """Pass 1 for every batch row `rows[i]` whose newest token newest[i]
+        sits at positions[i] (the pair at positions[i] - 1), then up to
+        want[i] drafts each (want 0: the cache written, no draft)."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not len(rows):
+            return drafts
+        want = np.asarray(want, np.int64)
+        at = np.array([self.frontier_at[int(r)][0] + int(p) - 1 - self.frontier_at[int(r)][1]
+                       for r, p in zip(rows, positions)], np.int32)
+        inputs = inputs_for(rows, [[int(t)] for t in newest], positions - 1)
+        m = self.run(inputs, mx.array(np.asarray(newest, np.int32)), self.frontier[mx.array(at)])
+        passes: list[tuple[np.ndarray, mx.array]] = []
+        active = np.arange(len(rows))
+        tokens = None
+        for j in range(int(want.max(initial=0))):
+            keep = want[active] > j
+            if j == 0:
+                m, active = m[mx.array(np.flatnonzero(keep).astype(np.int32))], active[keep]
+            else:
+                if not keep.all():
+                    pick = mx.array(np.flatnonzero(keep).astype(np.int32))
+                    tokens, m, active = tokens[pick], m[pick], active[keep]
+                inputs = inputs_for(rows[active], [[0]] * len(active), positions[active] + j - 1)
+                m = self.run(inputs, tokens, m)
+            tokens = self.drafts(m)
+            passes.append((active, tokens))
+        mx.eval([t for _, t in passes], self.kv.arrays())  # pass 1's writes even without drafts
+        self.passes += max(len(passes), 1)
+        self.frontier, self.frontier_at = None, {}
+        for active, tokens in passes:
+            for a, t in zip(active, tokens.tolist()):
+                drafts[a].append(t)
+        return drafts
+
+
+def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequantize: bool, fuse: bool,
+             norm_rope: bool) -> MtpDrafter:
+    """The target checkpoint's MTP layer (its first: vLLM chains it for every draft)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from vllm_metal.formats.checkpoint import open_checkpoint
+    from vllm_metal.models.loader import DTYPES, prepare_model
+
+    checkpoint = open_checkpoint(model_dir)
+    config = checkpoint.config
+    family, n = config.get("model_type"), config["num_hidden_layers"]
+    quantized = config.get("quantization") or config.get("quantization_config")
+    if family not in MTP_FAMILIES or not checkpoint.native or quantized or mtp_layer_count(config) < 1:
+        kind = f"{'quantized ' if quantized else ''}{checkpoint.format}"
+        raise ValueError(f"{model_dir}: no multi-token-prediction layer vllm-metal can run (a {family} {kind} "
+                         f"checkpoint with num_nextn_predict_layers={mtp_layer_count(config)}; served: "
+                         f"{sorted(MTP_FAMILIES)} unquantized safetensors checkpoints)")
+    prefix = f"model.layers.{n}."
+    tensors = _checkpoint_tensors(Path(checkpoint.source), prefix)
+    one = {**config, "num_hidden_layers": 1, **MTP_FAMILIES[family](config, n)}
+    model_class, args_class = _get_classes(one)
+    model = model_class(args_class.from_dict(one))
+    block = {f"model.layers.0.{k[len(prefix):]}": v for k, v in tensors.items()
+             if not k[len(prefix):].startswith((*EXTRAS, "embed_tokens"))}
+    block = model.sanitize(block)
+    wanted = {k for k, _ in tree_flatten(model.model.layers[0].parameters())}
+    missing = sorted(wanted - {k[len("model.layers.0."):] for k in block})
+    if missing:
+        raise ValueError(f"{model_dir}: the MTP layer {n} lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    model.load_weights(list(block.items()), strict=False)
+    owner = decoder_owner(target.model)
+    hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+    extras = {"enorm": nn.RMSNorm(hidden, eps=eps), "hnorm": nn.RMSNorm(hidden, eps=eps),
+              "eh_proj": nn.Linear(2 * hidden, hidden, bias=False), "shared_norm": nn.RMSNorm(hidden, eps=eps)}
+    for name, module in extras.items():
+        key = prefix + ("shared_head.norm" if name == "shared_norm" else name) + ".weight"
+        if key not in tensors:
+            raise ValueError(f"{model_dir}: the MTP layer {n} lacks {key}")
+        module.weight = tensors[key]
+        module.set_dtype(DTYPES[dtype])
+    head = tensors.get(prefix + "shared_head.head.weight")
+    shared = head is None  # then the target's head (vLLM loads lm_head.weight into shared_head.head)
+    if head is not None:
+        model.lm_head.weight = head
+    elif "lm_head" in owner:
+        model.lm_head = owner["lm_head"]
+    else:  # a tied head: the embedding's matrix
+        model.lm_head.weight = owner["model"].embed_tokens.weight
+    decoder = decoder_owner(model)["model"]
+    decoder.embed_tokens, decoder.norm = _Given(), nn.Identity()
+    block_model = prepare_model(model, one, dtype, dequantize, True, fuse, norm_rope)
+    mx.eval([m.parameters() for m in extras.values()])
+    block_model.weights_bytes += sum(v.nbytes for m in extras.values() for _, v in tree_flatten(m.parameters()))
+    if shared:  # counted with the target's weights
+        block_model.weights_bytes -= sum(v.nbytes for _, v in tree_flatten(model.lm_head.parameters()))
+    return MtpDrafter(block_model, owner["model"].embed_tokens, extras, spec_config.num_speculative_tokens,
+                      spec_config.target_model_config.max_model_len)
