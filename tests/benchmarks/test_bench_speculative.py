@@ -50,3 +50,29 @@ def test_both_servers_get_the_same_draft_model(tmp_path, monkeypatch):
     assert mlx_cmd[-4:] == ["--draft-model", str(tmp_path / "draft"), "--num-draft-tokens",
                             str(bench_speculative.NUM_DRAFTS)]
     assert bs.extra_body("mlx-lm-draft", tmp_path) == bs.extra_body("mlx-lm", tmp_path)  # EOS suppressed alike
+
+
+def test_the_mtp_run_serves_a_synthetic_glm_checkpoint_with_its_mtp_layer(tmp_path, monkeypatch, model_dir):
+    """The synthetic checkpoint is what vllm-metal's MTP loader reads (a small config here), and
+    the MTP system is vllm-metal with vLLM's method "mtp"."""
+    import synthetic_mtp
+
+    from vllm_metal.models.loader import load_model
+    from vllm_metal.speculative.mtp import load_mtp
+
+    monkeypatch.setattr(bs, "SYSTEMS", dict(bs.SYSTEMS))
+    config = bench_speculative.register_mtp_system()
+    assert config == {"method": "mtp", "num_speculative_tokens": bench_speculative.MTP_DRAFTS}
+    metal, env = bs.server_command("vllm-metal-mtp", "/m", 1234, 1 << 30, preload=False)
+    assert metal[-2:] == ["--speculative-config", json.dumps(config)] and env == {"VLLM_METAL_DEVICE": "cpu"}
+    small = {**synthetic_mtp.BENCH_CONFIG, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+             "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    path = synthetic_mtp.build(tmp_path / "glm", model_dir, config=small)
+    saved = json.loads((tmp_path / "glm" / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 2 and saved["num_nextn_predict_layers"] == 1
+    assert synthetic_mtp.build(tmp_path / "glm", model_dir, config=small) == path  # built once
+    target = load_model(path)
+    spec = type("Spec", (), {"num_speculative_tokens": 3,
+                             "target_model_config": type("T", (), {"max_model_len": 256})()})()
+    drafter = load_mtp(target, path, spec, "float32", False, False, False)
+    assert drafter.model.num_layers == 1 and drafter.model.weights_bytes > 0

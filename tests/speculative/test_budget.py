@@ -74,3 +74,27 @@ def test_a_request_keeps_a_prefix_of_its_drafts(rng):
     assert all(0 <= keep[r] <= n for r, n in {"a": 3, "b": 4}.items())
     b.forget(["a"])
     assert b.acceptance("a") == 0.5  # the prior again
+
+
+def test_a_drafting_models_passes_are_fitted_and_paid_once_per_depth():
+    """t = base + per_row x rows + per_pass x passes is recovered from steps whose rows and
+    passes vary apart; a depth opens only when the drafts sharing its pass pay for it."""
+    from vllm_metal.speculative.budget import DraftBudget
+
+    b = DraftBudget(passes=True)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        rows, passes = int(rng.integers(8, 30)), int(rng.integers(0, 4))
+        b.observe_step(rows, 0.020 + 0.002 * rows + 0.010 * passes, passes)
+    assert abs(b.base - 0.020) < 1e-9 and abs(b.per_row - 0.002) < 1e-9 and abs(b.per_pass - 0.010) < 1e-9
+    for r in "abcdefgh":  # acceptance 0.8 each (prior 1:1 included)
+        b.observe_verify(r, 4, 4)
+        b.accepted[r], b.rejected[r] = 7.0, 1.0
+    everyone = b.allot(dict.fromkeys("abcdefgh", 3), 8)
+    # Eight requests share the first pass: 6.4 tokens for 26 ms on a 36 ms step pays; the second
+    # depth's 5.1 tokens for another 26 ms would lower the rate.
+    assert everyone == dict.fromkeys("abcdefgh", 1)
+    alone = b.allot({"a": 3}, 8)  # one drafting request in a batch of 8: a pass for 0.8 tokens does not pay
+    assert alone == {"a": 0}
+    b.per_pass = 0.0  # without pass costs the same request drafts
+    assert b.allot({"a": 3}, 8)["a"] > 0

@@ -24,7 +24,15 @@ such rule; this one keeps vLLM's drafts, only shortened:
 - a proposer that always proposes k drafts (a draft model) gives steps of
   one size, which no fit can be made from: while there is no fit and the
   recent steps' rows do not vary, every PROBE_EVERY-th step verifies no
-  drafts (a probe), so the fit sees what a step without them costs.
+  drafts (a probe), so the fit sees what a step without them costs;
+- a drafting model (`passes`: a draft model, an MTP layer) also pays a pass
+  per draft depth -- its j-th drafts of every request are one pass, whose
+  output head is read whole however few rows it has -- so the fit has a
+  third term, t = base + per_row x rows + per_pass x passes (when the recent
+  steps separate rows from passes; else per_pass is 0 and the row term
+  carries both), and drafts are taken depth by depth: depth j opens (for the
+  best prefix of the requests that drafted j - 1, by worth) only if it
+  raises the tokens per second with its pass paid.
 """
 
 from __future__ import annotations
@@ -44,8 +52,9 @@ PROBE_EVERY = 8  # without a fit and with rows that do not vary: one step in thi
 
 
 class DraftBudget:
-    def __init__(self, pooled: bool = False):
-        self.pooled = pooled
+    def __init__(self, pooled: bool = False, passes: bool = False):
+        self.pooled, self.passes = pooled, passes
+        self.per_pass = 0.0  # seconds per pass (a drafting model's passes after the step)
         self.pool_accepted = self.pool_rejected = 0.0  # decayed counts over every request's verified rows
         self.pool_rows = 0  # verified rows pooled since the last reset_pool
         self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
@@ -57,18 +66,25 @@ class DraftBudget:
         self.probes = 0  # steps that verified no drafts to measure a plain step (instrumentation)
         self._allotted = 0  # allot() calls since the last probe
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode step's rows (requests + drafts) and its time from execute_model to its output."""
-        self.samples.append((rows, seconds))
+    def observe_step(self, rows: int, seconds: float, passes: int = 0) -> None:
+        """A decode step's rows (requests + drafts), its time from execute_model
+        to its output, and the draft passes run in that time (a drafting model)."""
+        self.samples.append((rows, seconds, passes))
         if len(self.samples) < 8:
             return
-        r = np.array([s[0] for s in self.samples], np.float64)
-        t = np.array([s[1] for s in self.samples], np.float64)
+        r, t, p = (np.array([s[i] for s in self.samples], np.float64) for i in range(3))
         if np.ptp(r) < MIN_RANGE or r.std() < MIN_SPREAD:
             return
+        if self.passes and np.ptp(p) >= 1:
+            x = np.stack([np.ones_like(r), r, p], axis=1)
+            if np.linalg.matrix_rank(x) == 3 and np.linalg.cond(x) < 1e4:
+                base, per_row, per_pass = np.linalg.lstsq(x, t, rcond=None)[0]
+                if per_row > 0 and per_pass >= 0:
+                    self.base, self.per_row, self.per_pass = max(float(base), 0.0), float(per_row), float(per_pass)
+                    return
         slope = float(((r - r.mean()) * (t - t.mean())).sum() / ((r - r.mean()) ** 2).sum())
         if slope > 0:
-            self.per_row, self.base = slope, max(float(t.mean() - slope * r.mean()), 0.0)
+            self.per_row, self.base, self.per_pass = slope, max(float(t.mean() - slope * r.mean()), 0.0), 0.0
 
     def observe_verify(self, req_id: str, drafted: int, accepted: int) -> None:
         self.accepted[req_id] = self.accepted.get(req_id, 0.0) + accepted
@@ -94,13 +110,15 @@ class DraftBudget:
         """req_id -> how many of its proposed drafts to keep, for a step of `batch` requests."""
         if self.per_row is None and proposals:
             self._allotted += 1
-            rows = [r for r, _ in list(self.samples)[-PROBE_EVERY:]]
+            rows = [s[0] for s in list(self.samples)[-PROBE_EVERY:]]
             if len(rows) == PROBE_EVERY and np.ptp(rows) < MIN_RANGE and self._allotted >= PROBE_EVERY:
                 self._allotted, self.probes = 0, self.probes + 1
                 self.trimmed += sum(proposals.values())
                 return dict.fromkeys(proposals, 0)
         if self.per_row is None or not proposals:
             return dict(proposals)
+        if self.passes:
+            return self._allot_by_depth(proposals, batch)
         worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items() for j in range(1, n + 1)),
                        reverse=True)
         keep = dict.fromkeys(proposals, 0)
@@ -111,6 +129,26 @@ class DraftBudget:
                 break
             keep[r] += 1
             tokens, rows = tokens + w, rows + 1
+        self.trimmed += sum(proposals.values()) - sum(keep.values())
+        return keep
+
+    def _allot_by_depth(self, proposals: dict[str, int], batch: int) -> dict[str, int]:
+        keep = dict.fromkeys(proposals, 0)
+        tokens, seconds = float(batch), self.base + self.per_row * batch
+        for j in range(1, max(proposals.values()) + 1):
+            worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items()
+                            if n >= j and keep[r] == j - 1), reverse=True)
+            best, total = (tokens / seconds, 0, 0.0), 0.0
+            for i, (w, _) in enumerate(worth, 1):
+                total += w
+                rate = (tokens + total) / (seconds + self.per_pass + self.per_row * i)
+                if rate > best[0]:
+                    best = (rate, i, total)
+            if not best[1]:
+                break
+            for _, r in worth[:best[1]]:
+                keep[r] = j
+            tokens, seconds = tokens + best[2], seconds + self.per_pass + self.per_row * best[1]
         self.trimmed += sum(proposals.values()) - sum(keep.values())
         return keep
 

@@ -74,7 +74,8 @@ class Speculator:
         self.model: ModelProposer | None = None
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
         # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
-        self.budget = DraftBudget(pooled=spec_config.method == "draft_model") \
+        self.budget = DraftBudget(pooled=spec_config.method == "draft_model",
+                                  passes=spec_config.method in ("draft_model", "mtp")) \
             if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
@@ -173,7 +174,8 @@ class Speculator:
         if self.model is not None:
             now = time.perf_counter() if now is not None else None  # the passes are part of the step's time
         if self._step is not None and now is not None and self.budget is not None:
-            self.budget.observe_step(self._step[1], now - self._step[0])
+            self.budget.observe_step(self._step[1], now - self._step[0],
+                                     max(keep.values(), default=0) if self.model is not None else 0)
         self._step = None
         drafts = [proposals.get(s.req_id, [])[:keep.get(s.req_id, 0)] for s in states]
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
