@@ -160,6 +160,7 @@ def test_mtp_pairs_in_the_step_graph_and_the_rows_pass_one_reads():
         def __init__(self):
             self.kv = SimpleNamespace(arrays=lambda: [])
             self.ran = None
+            self.pending = {}
 
         def run(self, inputs, tokens, previous):
             self.ran = (inputs, tokens.tolist(), previous.tolist())
@@ -187,3 +188,10 @@ def test_mtp_pairs_in_the_step_graph_and_the_rows_pass_one_reads():
     assert m.ran[2] == [[0], [1], [2], [3], [4], [5], [6], [8], [9]]  # the hidden rows before each pair
     assert m.frontier_at == {1: (0, 9), 2: (1, 10), 3: (4, 10)}
     assert m.frontier.tolist() == [[7], [8], [9], [10], [11]] and len(out) == 1
+    # "verify" did not draft after that step (it got 61 at 11): its pair at 10 waits for its next row.
+    m.pending = {"verify": (10, 61, mx.array([[50.0]])), "chunk": (99, 1, mx.array([[0.0]]))}  # chunk's: stale
+    states[2] = req("verify", prompt, [7, 61])
+    m.write_step([rows[0], ScheduledRow([61], 11)], [states[0], states[2]], {}, hidden, inputs_for)
+    batch_rows, tokens, starts = m.ran[0]
+    assert batch_rows == [0, 1] and starts == [0, 10] and tokens == [[101, 102, 103, 104], [61]]
+    assert m.ran[2] == [[0], [1], [2], [3], [50]] and m.pending == {}  # the carried row after the step's

@@ -76,8 +76,8 @@ def record(runner, into: list) -> None:
     drafter = runner.speculator.model
     propose = drafter.propose
 
-    def recording(rows, positions, newest, want, inputs_for):
-        out = propose(rows, positions, newest, want, inputs_for)
+    def recording(rows, req_ids, positions, newest, want, inputs_for):
+        out = propose(rows, req_ids, positions, newest, want, inputs_for)
         states = runner.batch.states()
         into.extend((states[r].prompt_token_ids + states[r].output_token_ids, d) for r, d in zip(rows, out) if d)
         return out

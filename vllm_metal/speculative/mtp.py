@@ -87,6 +87,8 @@ class MtpDrafter:
         # per batch row (index of its first such row, that row's position).
         self.frontier: mx.array | None = None
         self.frontier_at: dict[int, tuple[int, int]] = {}
+        # req_id -> (position, next token, hidden row): a pair to write ahead of its next row
+        self.pending: dict[str, tuple[int, int, mx.array]] = {}
         self.passes = 0  # passes run (instrumentation)
 
     @staticmethod
@@ -94,7 +96,10 @@ class MtpDrafter:
         return f"mtp.layers.{i}.self_attn"
 
     def restart(self, req_ids) -> None:
-        """(A preempted request's MTP cache is recomputed with its target cache: nothing to forget.)"""
+        """Finished or preempted requests: their pending pairs go (a preempted
+        request's MTP cache is recomputed with its target cache)."""
+        for r in req_ids:
+            self.pending.pop(r, None)
 
     def reach(self, position: int, room: int) -> int:
         """Drafts for a request whose newest token sits at `position`: pass j
@@ -123,9 +128,11 @@ class MtpDrafter:
         """In the target's step graph: the pairs of every batch row whose next
         token is known before the step (rows[i]: its ScheduledRow; states[i]:
         its request; spec: the scheduled drafts, all -1: placeholders), from
-        the step's hidden states; and the hidden rows of each sampling row's
-        last 1 + drafts positions, kept for pass 1. The arrays to evaluate with the step."""
-        batch_rows, tokens, starts, picks, frontier = [], [], [], [], []
+        the step's hidden states, led by the pair a request left pending after
+        the step before (`propose`: it did not draft); and the hidden rows of
+        each sampling row's last 1 + drafts positions, kept for pass 1. The
+        arrays to evaluate with the step."""
+        batch_rows, tokens, starts, picks, frontier, carried = [], [], [], [], [], []
         self.frontier_at, offset = {}, 0
         for i, (row, state) in enumerate(zip(rows, states)):
             ids, start = list(row.token_ids), row.num_computed
@@ -136,11 +143,16 @@ class MtpDrafter:
             end = start + real  # the position after the row's last real token
             nxt = state.tokens(end, end + 1)[0] if d == 0 and end < state.num_tokens else None
             pairs = ids[1:real] + ([nxt] if nxt is not None else [])
+            lead = self.pending.pop(state.req_id, None)
+            if lead is not None and lead[0] == start - 1:  # (position, token, hidden row) of the step before
+                pairs, start = [lead[1]] + pairs, start - 1
+                picks.append(-1 - len(carried))
+                carried.append(lead[2])
             if pairs:
                 batch_rows.append(i)
                 tokens.append(pairs)
                 starts.append(start)
-                picks.extend(range(offset, offset + len(pairs)))
+                picks.extend(range(offset, offset + len(pairs) - (start < row.num_computed)))
             if nxt is None:  # it samples: pass 1 reads one of its last 1 + d rows
                 self.frontier_at[i] = (len(frontier), end - 1 - d)
                 frontier.extend(range(offset + real - 1 - d, offset + real))
@@ -150,31 +162,40 @@ class MtpDrafter:
         if batch_rows:
             inputs = inputs_for(np.asarray(batch_rows, np.int64), tokens, np.asarray(starts, np.int64))
             ids = mx.array(np.asarray([t for ts in tokens for t in ts], np.int32))
-            self.run(inputs, ids, hidden[mx.array(np.asarray(picks, np.int32))])
+            n = hidden.shape[0]
+            source = mx.concatenate([hidden, *[c.astype(hidden.dtype) for c in carried]]) if carried else hidden
+            at = np.asarray([p if p >= 0 else n - 1 - p for p in picks], np.int32)  # carried rows after the step's
+            self.run(inputs, ids, source[mx.array(at)])
             out.extend(self.kv.arrays())
         return out
 
-    def propose(self, rows: np.ndarray, positions: np.ndarray, newest: Sequence[int], want: Sequence[int],
-                inputs_for: InputsFor) -> list[list[int]]:
-        """Pass 1 for every batch row `rows[i]` whose newest token newest[i]
-        sits at positions[i] (the pair at positions[i] - 1), then up to
-        want[i] drafts each (want 0: the cache written, no draft)."""
+    def propose(self, rows: np.ndarray, req_ids: Sequence[str], positions: np.ndarray, newest: Sequence[int],
+                want: Sequence[int], inputs_for: InputsFor) -> list[list[int]]:
+        """For every batch row `rows[i]` (request req_ids[i]) whose newest token
+        newest[i] sits at positions[i]: up to want[i] drafts. The pair at
+        positions[i] - 1 (its next token is the one just sampled) is written
+        by pass 1 for the rows that draft; the others' is left pending, for
+        the next step's graph to write ahead of their row (no pass for them)."""
         drafts: list[list[int]] = [[] for _ in rows]
-        if not len(rows):
-            return drafts
         want = np.asarray(want, np.int64)
         at = np.array([self.frontier_at[int(r)][0] + int(p) - 1 - self.frontier_at[int(r)][1]
                        for r, p in zip(rows, positions)], np.int32)
-        inputs = inputs_for(rows, [[int(t)] for t in newest], positions - 1)
-        m = self.run(inputs, mx.array(np.asarray(newest, np.int32)), self.frontier[mx.array(at)])
+        for i in np.flatnonzero(want == 0):
+            self.pending[req_ids[i]] = (int(positions[i]) - 1, int(newest[i]), self.frontier[int(at[i]):int(at[i]) + 1])
+        drafting = np.flatnonzero(want > 0)
+        if not len(drafting):
+            self.frontier, self.frontier_at = None, {}
+            return drafts
+        rows, positions, want = rows[drafting], positions[drafting], want[drafting]
+        inputs = inputs_for(rows, [[int(newest[i])] for i in drafting], positions - 1)
+        m = self.run(inputs, mx.array(np.asarray([newest[i] for i in drafting], np.int32)),
+                     self.frontier[mx.array(at[drafting])])
         passes: list[tuple[np.ndarray, mx.array]] = []
         active = np.arange(len(rows))
         tokens = None
         for j in range(int(want.max(initial=0))):
             keep = want[active] > j
-            if j == 0:
-                m, active = m[mx.array(np.flatnonzero(keep).astype(np.int32))], active[keep]
-            else:
+            if j:
                 if not keep.all():
                     pick = mx.array(np.flatnonzero(keep).astype(np.int32))
                     tokens, m, active = tokens[pick], m[pick], active[keep]
@@ -182,12 +203,12 @@ class MtpDrafter:
                 m = self.run(inputs, tokens, m)
             tokens = self.drafts(m)
             passes.append((active, tokens))
-        mx.eval([t for _, t in passes], self.kv.arrays())  # pass 1's writes even without drafts
-        self.passes += max(len(passes), 1)
+        mx.eval([t for _, t in passes], self.kv.arrays())  # the passes' one evaluation
+        self.passes += len(passes)
         self.frontier, self.frontier_at = None, {}
         for active, tokens in passes:
             for a, t in zip(active, tokens.tolist()):
-                drafts[a].append(t)
+                drafts[drafting[a]].append(t)
         return drafts
 
 

@@ -156,9 +156,10 @@ class Speculator:
                                                                 states[i].output_token_ids, k) for i in candidates}
             lengths = {r: len(d) for r, d in proposals.items() if d}
         keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
-        if isinstance(self.model, MtpDrafter):  # pass 1 for every row with a token, drafts as kept
+        if isinstance(self.model, MtpDrafter):  # every row with a token: drafts as kept, pending pairs
             rows = np.array([i for i, new in enumerate(tokens) if new], np.int64)
-            drafted = self.model.propose(rows, np.array([states[i].num_tokens - 1 for i in rows], np.int64),
+            drafted = self.model.propose(rows, [states[i].req_id for i in rows],
+                                         np.array([states[i].num_tokens - 1 for i in rows], np.int64),
                                          [states[i].output_token_ids[-1] for i in rows],
                                          [keep.get(states[i].req_id, 0) for i in rows], inputs_for)
             proposals = {states[i].req_id: d for i, d in zip(rows, drafted)}
