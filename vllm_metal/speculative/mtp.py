@@ -16,10 +16,11 @@ one layer the same way for k > 1).
 Where it runs: every pair whose next token the host knows before the step
 (prompt tokens, scheduled drafts) is written in the target's step graph
 (`write_step`, from the step's hidden states); a row's last position waits
-for its sampled token: pass 1, after the step, runs it for every request
-that got a token (drafting or not: the cache stays whole) and drafts for
-those the budget keeps; passes 2..k one token each; all passes one lazy
-graph, evaluated once. A pair written with a draft that is then rejected
+for its sampled token: pass 1, after the step, runs it for the requests
+the budget lets draft and gives their first drafts, passes 2..k one token
+each, all passes one lazy graph evaluated once; a request that does not
+draft leaves that pair pending, written ahead of its row in the next
+step's graph (a step in which nobody drafts runs no pass). A pair written with a draft that is then rejected
 is written again by pass 1 (the last accepted position) or by the next
 step (the positions after it). A prefix-cached block's last slot holds the
 pair of the request that wrote it (the next token may differ for a request
