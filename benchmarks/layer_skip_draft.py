@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zlib
 import shutil
 from pathlib import Path
 
@@ -37,10 +38,11 @@ def make_draft(target: Path, out: Path, layers: list[int]) -> Path:
     import mlx.core as mx
 
     stamp = out / "draft_stamp.json"
-    want = {"target": str(target), "layers": layers}
+    text = (target / "config.json").read_text()
+    want = {"target": str(target), "layers": layers, "config": zlib.crc32(text.encode())}  # a rebuilt target too
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
-    config = json.loads((target / "config.json").read_text())
+    config = json.loads(text)
     if layers[-1] >= config["num_hidden_layers"]:
         raise ValueError(f"layer {layers[-1]} is past the target's {config['num_hidden_layers']} layers")
     weights: dict = {}
@@ -58,6 +60,7 @@ def make_draft(target: Path, out: Path, layers: list[int]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), kept, metadata={"format": "mlx"})
     config["num_hidden_layers"] = len(layers)
+    config.pop("num_nextn_predict_layers", None)  # a target's MTP layer (model.layers.{n}) is not kept
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for name in COPIED:
         if (target / name).exists():

@@ -82,8 +82,10 @@ def check_drafts_against_mlx_lm(draft_dir: str, records: list, every: int) -> in
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import dequantize_model
 
     model, _ = load(draft_dir)
+    model = dequantize_model(model)  # as the engine serves it on the CPU (MLX's quantized matmul is 7x slower)
     seen, checked = set(), 0
     for i, (tokens, drafts) in enumerate(records):
         first = tuple(tokens[:8]) not in seen
@@ -230,7 +232,7 @@ def test_the_draft_models_proposals_are_its_own_greedy_continuations(runs, draft
     """The draft cache is written lazily (a request's whole history the first time it
     drafts, then the tokens since), and shares prefix-cached blocks: each proposal is
     what mlx-lm's greedy decoding of the draft model's weights continues the request's tokens with."""
-    assert check_drafts_against_mlx_lm(draft_dir, runs["draft", "proposals"], every=7) >= 8
+    assert check_drafts_against_mlx_lm(draft_dir, runs["draft", "proposals"], every=10) >= 8
 
 
 @METHODS
@@ -273,7 +275,7 @@ def test_preemption_and_copies_through_a_tiny_cache(model_dir, draft_dir, runs, 
         assert runner.speculator.accepted > 0 and runner.speculator.budget is not None  # the default: budgeted
     assert got == runs["plain", "preempted"]
     if method == "draft":  # resumed requests catch up again (their blocks were freed)
-        assert check_drafts_against_mlx_lm(draft_dir, proposals, every=5) >= 4
+        assert check_drafts_against_mlx_lm(draft_dir, proposals, every=1) >= 2  # (the budget decides how many)
 
 
 @METHODS
