@@ -140,7 +140,9 @@ def main(argv=None) -> int:
                          "(--draft: vllm-metal,vllm-metal-draft,mlx-lm,mlx-lm-draft)")
     ap.add_argument("--draft", metavar="LAYERS", help="the draft-model runs, the draft keeping these target layers")
     ap.add_argument("--mtp", action="store_true", help="the MTP runs, on the synthetic GLM checkpoint")
-    ap.add_argument("--synthetic", action="store_true", help="--draft: the synthetic GLM checkpoint as the target")
+    ap.add_argument("--synthetic", nargs="?", const="small", choices=sorted(synthetic_mtp.CONFIGS),
+                    help="--draft: the synthetic GLM checkpoint as the target (small: --mtp's; big: 24 layers, "
+                         "hidden 1024)")
     ap.add_argument("--cells", default=None,
                     help="dataset:concurrency list (default: every dataset at every concurrency; --draft: "
                          "copy:1,sonnet:8)")
@@ -170,8 +172,9 @@ def main(argv=None) -> int:
     model = str(model_dir)
     draft = None
     if args.synthetic:
-        model_dir = Path(synthetic_mtp.build(bench_serving.BENCH_HOME / "models" / "glm4_moe-mtp-synthetic",
-                                             str(source), **synthetic_mtp.BENCH_MTP))
+        name = "glm4_moe-mtp-synthetic" + ("" if args.synthetic == "small" else f"-{args.synthetic}")
+        model_dir = Path(synthetic_mtp.build(bench_serving.BENCH_HOME / "models" / name, str(source),
+                                             synthetic_mtp.CONFIGS[args.synthetic], **synthetic_mtp.BENCH_MTP))
         model = str(model_dir)
     if args.draft:
         layers = layer_skip_draft.parse_layers(args.draft)
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
     opts = SimpleNamespace(kv_cache_bytes=1 << 30, vllm_cpu_preload=True, cap_isa=None, start_timeout=900,
                            run_timeout=3600, warmup_tokens=16, spec_metrics=True)
     runs = []
-    stem = ("draft_model" if draft else "mtp" if mtp else "speculative") + ("_synthetic" if args.synthetic and draft else "")
+    stem = ("draft_model" if draft else "mtp" if mtp else "speculative") + \
+        (f"_synthetic{'' if args.synthetic == 'small' else '_' + args.synthetic}" if args.synthetic and draft else "")
     for name in [d for d in args.datasets.split(",") if d]:
         prompts, path = datasets[name]
         for c, n in zip(args.concurrency, args.num_prompts):
@@ -223,7 +227,9 @@ def main(argv=None) -> int:
     if draft:
         meta["draft"] = draft
     if mtp or args.synthetic:
-        meta.update(model_name="glm4_moe-mtp-synthetic (12 layers + MTP, hidden 576, 8 experts top 2)")
+        c = synthetic_mtp.CONFIGS[args.synthetic or "small"]
+        meta.update(model_name=f"glm4_moe-mtp-synthetic ({c['num_hidden_layers']} layers + MTP, hidden "
+                               f"{c['hidden_size']}, {c['n_routed_experts']} experts top 2)")
     if mtp:
         meta.update(mtp=mtp)
     out = args.results_dir
@@ -233,7 +239,9 @@ def main(argv=None) -> int:
     (out / f"{stem}.md").write_text(text + "\n")
     print(text)
     if not args.no_docs:
-        bench_serving.write_block(args.docs, text, *((SYNTH_BEGIN, SYNTH_END) if draft and args.synthetic else
+        synth = (SYNTH_BEGIN, SYNTH_END) if args.synthetic == "small" else \
+            tuple(x.replace("synthetic-results", "synthetic-big-results") for x in (SYNTH_BEGIN, SYNTH_END))
+        bench_serving.write_block(args.docs, text, *(synth if draft and args.synthetic else
                                                       (DRAFT_BEGIN, DRAFT_END) if draft else
                                                       (MTP_BEGIN, MTP_END) if mtp else (BEGIN, END)))
     return 1 if any("error" in r for r in runs) else 0
