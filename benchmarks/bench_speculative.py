@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if args.synthetic:
         name = "glm4_moe-mtp-synthetic" + ("" if args.synthetic == "small" else f"-{args.synthetic}")
         model_dir = Path(synthetic_mtp.build(bench_serving.BENCH_HOME / "models" / name, str(source),
-                                             synthetic_mtp.CONFIGS[args.synthetic], **synthetic_mtp.BENCH_MTP))
+                                             synthetic_mtp.CONFIGS[args.synthetic], **synthetic_mtp.DAMP[args.synthetic]))
         model = str(model_dir)
     if args.draft:
         layers = layer_skip_draft.parse_layers(args.draft)
