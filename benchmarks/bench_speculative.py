@@ -27,9 +27,10 @@ n-gram speculation only).
     .venv/bin/python benchmarks/bench_speculative.py --mtp
 
 With --synthetic the --draft runs take that synthetic GLM checkpoint as the
-target (its layers are near-redundant by construction, so a draft of its
-first layers agrees with it often and costs a fraction: what a draft model
-does where drafts are accepted, which no draft of SmolLM2-135M here shows):
+target. Caution: vLLM turns a draft_model config whose draft is a glm4_moe
+checkpoint into its method "mtp" (the draft's model type), so these runs
+measure the MTP layer of the checkpoint the config names, not a layer-skip
+draft (docs/benchmarks.md); a draft-model run needs a target of another family.
 
     .venv/bin/python benchmarks/bench_speculative.py --draft 0-1 --synthetic --systems vllm-metal,vllm-metal-draft
 

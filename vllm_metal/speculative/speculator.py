@@ -89,7 +89,8 @@ class Speculator:
         if spec_config.method == "mtp":
             from vllm_metal.speculative.mtp import load_mtp
 
-            self.model = load_mtp(target, spec_config.target_model_config.model, spec_config, dtype, dequantize,
+            # vLLM's draft_model_config.model: the target itself unless "model" names another checkpoint
+            self.model = load_mtp(target, spec_config.draft_model_config.model, spec_config, dtype, dequantize,
                                   fuse, norm_rope)
         else:
             from vllm_metal.speculative.draft_model import load_drafter
