@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", metavar="LAYERS", help="the draft-model runs, the draft keeping these target layers")
     ap.add_argument("--mtp", action="store_true", help="the MTP runs, on the synthetic GLM checkpoint")
     ap.add_argument("--synthetic", nargs="?", const="small", choices=sorted(synthetic_mtp.CONFIGS),
-                    help="--draft: the synthetic GLM checkpoint as the target (small: --mtp's; big: 24 layers, "
-                         "hidden 1024)")
+                    help="--draft: a synthetic checkpoint as the target (small: --mtp's GLM; big: a GLM of 24 "
+                         "layers, hidden 1024; llama: a llama of that size, which vLLM keeps a draft model)")
     ap.add_argument("--cells", default=None,
                     help="dataset:concurrency list (default: every dataset at every concurrency; --draft: "
                          "copy:1,sonnet:8)")
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     print(text)
     if not args.no_docs:
         synth = (SYNTH_BEGIN, SYNTH_END) if args.synthetic == "small" else \
-            tuple(x.replace("synthetic-results", "synthetic-big-results") for x in (SYNTH_BEGIN, SYNTH_END))
+            tuple(x.replace("synthetic-results", f"synthetic-{args.synthetic}-results") for x in (SYNTH_BEGIN, SYNTH_END))
         bench_serving.write_block(args.docs, text, *(synth if draft and args.synthetic else
                                                       (DRAFT_BEGIN, DRAFT_END) if draft else
                                                       (MTP_BEGIN, MTP_END) if mtp else (BEGIN, END)))

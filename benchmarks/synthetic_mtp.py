@@ -46,10 +46,16 @@ BENCH_MTP = dict(damp=0.01)
 BIG_CONFIG = {**BENCH_CONFIG, "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 2816,
               "moe_intermediate_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
               "n_routed_experts": 4}
-CONFIGS = {"small": BENCH_CONFIG, "big": BIG_CONFIG}
+# A llama of the big size, without an MTP layer: a target for draft-model runs (vLLM re-detects a
+# glm4_moe draft as its method "mtp", a llama draft stays a draft model).
+LLAMA_CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="float32", vocab_size=49152,
+                    hidden_size=1024, num_hidden_layers=24, intermediate_size=2816, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    max_position_embeddings=4096, tie_word_embeddings=False)
+CONFIGS = {"small": BENCH_CONFIG, "big": BIG_CONFIG, "llama": LLAMA_CONFIG}
 # ... and their damping: at 24 layers 0.01 leaves a two-layer draft agreeing on 37% of first drafts;
 # 0.002 on 88% (28 of 32 greedy positions, mlx-lm, 2026-11-27).
-DAMP = {"small": BENCH_MTP, "big": dict(damp=0.002)}
+DAMP = {"small": BENCH_MTP, "big": dict(damp=0.002), "llama": dict(damp=0.002)}
 
 
 def add_mtp_layer(out: Path, seed: int = 3, damp: float = 0.1, noise: float = 0.003, mix: float = 0.05) -> str:
@@ -74,6 +80,15 @@ def add_mtp_layer(out: Path, seed: int = 3, damp: float = 0.1, noise: float = 0.
     return str(out)
 
 
+def damp_blocks(out: Path, damp: float) -> None:
+    import mlx.core as mx
+
+    weights = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(str(out / "model.safetensors"), {
+        k: v * damp if ("o_proj" in k or "down_proj" in k) and k.endswith("weight") else v
+        for k, v in weights.items()})
+
+
 def build(out: Path, tokenizer_dir: str, config: dict = BENCH_CONFIG, seed: int = 0, **mtp) -> str:
     """A random-weight checkpoint of `config` (mlx-lm's own classes) with an MTP layer (add_mtp_layer's `mtp`)."""
     import mlx.core as mx
@@ -83,7 +98,8 @@ def build(out: Path, tokenizer_dir: str, config: dict = BENCH_CONFIG, seed: int 
     marker = {"config": config, "seed": seed, "mtp": mtp}  # what was built (built again when it changes)
     if (out / "config.json").exists() and json.loads((out / "config.json").read_text()).get("mtp_build") == marker:
         return str(out)
-    full = {**config, "num_hidden_layers": config["num_hidden_layers"] + 1}
+    with_mtp = config["model_type"] == "glm4_moe"  # (other families: the damping only)
+    full = {**config, "num_hidden_layers": config["num_hidden_layers"] + with_mtp}
     model_class, args_class = _get_classes(full)
     model = model_class(args_class.from_dict(full))
     rng = np.random.default_rng(seed)
@@ -99,7 +115,10 @@ def build(out: Path, tokenizer_dir: str, config: dict = BENCH_CONFIG, seed: int 
     (out / "config.json").write_text(json.dumps(full, indent=1))
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_dir) / name, out / name)
-    add_mtp_layer(out, **mtp)
+    if with_mtp:
+        add_mtp_layer(out, **mtp)
+    else:
+        damp_blocks(out, mtp.get("damp", 1.0))
     saved = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**saved, "mtp_build": marker}, indent=1))
     return str(out)
