@@ -229,8 +229,9 @@ def main(argv=None) -> int:
         meta["draft"] = draft
     if mtp or args.synthetic:
         c = synthetic_mtp.CONFIGS[args.synthetic or "small"]
-        meta.update(model_name=f"glm4_moe-mtp-synthetic ({c['num_hidden_layers']} layers + MTP, hidden "
-                               f"{c['hidden_size']}, {c['n_routed_experts']} experts top 2)")
+        meta.update(model_name=f"{c['model_type']} synthetic ({c['num_hidden_layers']} layers"
+                               + (f" + MTP, hidden {c['hidden_size']}, {c['n_routed_experts']} experts top 2)"
+                                  if "n_routed_experts" in c else f", hidden {c['hidden_size']})"))
     if mtp:
         meta.update(mtp=mtp)
     out = args.results_dir
