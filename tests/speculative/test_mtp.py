@@ -217,5 +217,8 @@ def test_what_mtp_cannot_serve_is_refused(model_dir, models, tmp_path):
         cache_config=SimpleNamespace(cache_dtype="auto"))
     assert "this is a deepseek_v3 model with 1: use method 'ngram' or 'draft_model'" in serving_config.refusal(cfg)
     cfg.model_config.hf_config.model_type = "glm4_moe"
+    cfg.model_config.hf_config.num_nextn_predict_layers = 2
+    assert "with 2 multi-token-prediction layers is not served" in serving_config.refusal(cfg)
+    cfg.model_config.hf_config.num_nextn_predict_layers = 1
     cfg.cache_config.cache_dtype = "fp8"
     assert "--kv-cache-dtype fp8 with MTP" in serving_config.refusal(cfg)

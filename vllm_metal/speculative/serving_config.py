@@ -75,6 +75,10 @@ def refusal(vllm_config) -> str | None:
             return (f"--speculative-config method 'mtp' needs a checkpoint with multi-token-prediction layers "
                     f"that vllm-metal runs ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers >= 1); "
                     f"this is a {family} model with {layers}: use method 'ngram' or 'draft_model'")
+        if layers > 1:  # vLLM cycles through them (spec_step_idx % n); vllm-metal chains the first only
+            return (f"--speculative-config method 'mtp' with {layers} multi-token-prediction layers is not served by "
+                    "vllm-metal (it runs a checkpoint's one MTP layer, as GLM-4.5/4.6/4.7 ship); use 'ngram' or "
+                    "'draft_model'")
         if vllm_config.cache_config.cache_dtype not in (None, "auto"):
             return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with MTP is not verified by "
                     "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
