@@ -12,6 +12,7 @@
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rope.h"
+#include "rope_write_kv.h"
 #include "swiglu.h"
 #include "argmax_head.h"
 #include "gelu.h"
@@ -116,6 +117,23 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(),
       "Lazy RoPE of [tokens, heads, dim] by a per-token (cos, sin) table on MLX's CPU device "
       "(see vllm_metal.native.ops.rope).");
+
+  m.def(
+      "rope_write_kv",
+      &vllm_metal::rope_write_kv,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "table"_a,
+      "key_cache"_a,
+      "value_cache"_a,
+      "slots"_a,
+      "traditional"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Lazy RoPE of q and k by a per-token table and the rotated keys' and the values' cache write, "
+      "on MLX's CPU device: returns [rotated q, key_cache', value_cache'] "
+      "(see vllm_metal.native.ops.rope_write_kv).");
 
   m.def(
       "is_materialized",

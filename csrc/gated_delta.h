@@ -73,20 +73,6 @@ class GatedDelta : public mx::Primitive {
     return "GatedDelta";
   }
 
-  // MLX gives each output of a multi-output primitive its own copy of the
-  // inputs, so every input is referenced once per output and none could ever
-  // be donated. Each backend first calls this: the outputs whose copy is not
-  // `inputs` drop it now, as MLX would when it detaches the outputs after
-  // the eval (the primitive has no transforms that would read them later).
-  static void release_sibling_inputs(const std::vector<mx::array>& inputs,
-                                     std::vector<mx::array>& outputs) {
-    for (auto& o : outputs) {
-      if (&o.inputs() != &inputs) {
-        o.inputs().clear();
-      }
-    }
-  }
-
   // Both backends begin here: releases the siblings' inputs, gives y its own
   // buffer and the final state the input state's buffer where it can be
   // donated (row-contiguous, referenced by nothing else), else its own.

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 
@@ -34,6 +35,20 @@ inline const char* kernel_dtype_name(mx::Dtype dtype, const char* op) {
       return "bfloat16";
     default:
       throw std::invalid_argument(std::string("[") + op + "] unsupported dtype for Metal");
+  }
+}
+
+// MLX gives each output of a multi-output primitive its own copy of the
+// inputs, so every input is referenced once per output and none could ever
+// be donated. A backend that donates first calls this: the outputs whose
+// copy is not `inputs` drop it now, as MLX would when it detaches the
+// outputs after the eval (these primitives have no transforms that would
+// read them later).
+inline void release_sibling_inputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    if (&o.inputs() != &inputs) {
+      o.inputs().clear();
+    }
   }
 }
 

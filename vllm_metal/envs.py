@@ -57,6 +57,12 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "gate/up; weights concatenated at load): 'auto' on MLX's CPU device (fewer, larger "
         "BLAS calls) and not on Metal; '1' always; '0' never.",
     ),
+    "VLLM_METAL_FUSED_KV_WRITE": (
+        "1",
+        "Where RoPE runs through vllm-metal's primitive (VLLM_METAL_CPU_NORM_ROPE), rotate q and k "
+        "and write K/V into the cache as one primitive (RopeWriteKV) instead of five operations: "
+        "'1' (default) or '0'.",
+    ),
     "VLLM_METAL_CPU_NORM_ROPE": (
         "auto",
         "RMSNorm and RoPE through vllm-metal's primitives (MLX's CPU rms_norm and rope are "

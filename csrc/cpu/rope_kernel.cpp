@@ -9,6 +9,7 @@
 #include "cpu/convert.h"
 #include "cpu/dispatch.h"
 #include "cpu/rope_kernel.h"
+#include "cpu/rope_rotate.h"
 
 #ifndef VLLM_METAL_KERNEL_ENTRY
 #error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
@@ -30,28 +31,11 @@ void tokens_range(const RopeArgs& a, int64_t lo, int64_t hi) {
   float* c = y + d;
   float* s = c + half;
   for (int64_t t = lo; t < hi; ++t) {
-    const float* pairs = a.table + t * half * 2;
-    for (int i = 0; i < half; ++i) {
-      c[i] = pairs[2 * i];
-      s[i] = pairs[2 * i + 1];
-    }
+    split_pairs(a.table + t * half * 2, half, c, s);
     for (int h = 0; h < a.heads; ++h) {
       const int64_t base = (t * a.heads + h) * d;
       load_row(x + base, 1, d, row);
-      if (a.traditional) {
-        for (int i = 0; i < half; ++i) {
-          const float p = row[2 * i], q = row[2 * i + 1];
-          y[2 * i] = p * c[i] - q * s[i];
-          y[2 * i + 1] = q * c[i] + p * s[i];
-        }
-      } else {
-        for (int i = 0; i < half; ++i) {
-          const float p = row[i], q = row[i + half];
-          y[i] = p * c[i] - q * s[i];
-          y[i + half] = q * c[i] + p * s[i];
-        }
-      }
-      std::copy(row + a.rotated, row + d, y + a.rotated);
+      rotate_row(row, c, s, d, a.rotated, a.traditional, y);
       store_row(y, d, out + base);
     }
   }

@@ -130,3 +130,27 @@ def test_a_norm_called_on_another_dtype_keeps_mlx_promotion(rng):
     assert out.dtype == mx.fast.rms_norm(x, norm.weight, norm.eps).dtype
     np.testing.assert_array_equal(np.array(out.astype(mx.float32)),
                                   np.array(mx.fast.rms_norm(x, norm.weight, norm.eps).astype(mx.float32)))
+
+
+def test_rope_and_cache_write_as_one_primitive_change_nothing(model_dir, monkeypatch):
+    """VLLM_METAL_FUSED_KV_WRITE: each layer's RoPE and K/V write as one
+    RopeWriteKV operation gives the same logits and caches, to the bit, as
+    the separate RoPE and scatter; an 8-bit cache keeps the separate path."""
+    calls = []
+    fused = ops.rope_write_kv
+    monkeypatch.setattr(ops, "rope_write_kv", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    results = {}
+    for on, cache_dtype in (("0", "auto"), ("1", "auto"), ("1", "fp8")):
+        monkeypatch.setenv("VLLM_METAL_FUSED_KV_WRITE", on)
+        lm = load_model(model_dir, fuse=True, norm_rope=True)
+        kv = lm.allocate_kv(64, [16], [0] * lm.num_layers, kv_cache_dtype=cache_dtype)
+        rows = [ScheduledRow(list(range(200, 290)), 0, [list(range(1, 7))]),
+                ScheduledRow([77], 40, [list(range(10, 14))])]
+        calls.clear()
+        out = lm.forward(kv, build_step_inputs(rows, [16]), np.arange(91))
+        mx.eval(out, kv.arrays())
+        results[on, cache_dtype] = (np.array(out), [np.array(a) for a in kv.arrays()], len(calls))
+    plain, one, fp8 = results["0", "auto"], results["1", "auto"], results["1", "fp8"]
+    assert (plain[2], one[2], fp8[2]) == (0, 30, 0)
+    assert np.array_equal(plain[0], one[0])
+    assert all(np.array_equal(a, b) for a, b in zip(plain[1], one[1]))

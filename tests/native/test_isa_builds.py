@@ -1,7 +1,7 @@
 """Every instruction-set build of the 16-lane CPU kernels computes the same thing.
 
 The kernels built on csrc/cpu/simd.h (paged attention, RMSNorm / LayerNorm,
-SwiGLU, GELU, ArgmaxHead; and the BLAS shim's one-row product) are compiled
+SwiGLU, GELU, ArgmaxHead, RoPE + KV write; and the BLAS shim's one-row product) are compiled
 once per instruction set and picked at run time;
 VLLM_METAL_CPU_ISA caps the pick, so an AVX-512 host also runs what an
 AVX2-only host runs. Each build, run in a subprocess of its own, is checked
@@ -58,6 +58,13 @@ out["matmul_1row"] = np.array(mx.array(x[:1]) @ mx.array(wm).T)  # the BLAS shim
 r5 = np.random.default_rng(5)
 h, wh = r5.standard_normal((40, 72)).astype(np.float32), r5.standard_normal((3001, 72)).astype(np.float32)
 out["argmax_head"] = np.array(ops.argmax_head(mx.array(h), mx.array(wh)))
+r7 = np.random.default_rng(7)
+qkv = r7.standard_normal((6, 9 * 48)).astype(np.float32)
+tab = r7.uniform(-1, 1, (6, 16, 2)).astype(np.float32)
+qs, ks, vs = mx.split(mx.array(qkv), [5 * 48, 7 * 48], axis=-1)
+qr, kc, vc = ops.rope_write_kv(qs.reshape(6, 5, 48), ks.reshape(6, 2, 48), vs.reshape(6, 2, 48), mx.array(tab),
+                               mx.zeros((4, 8, 2, 48)), mx.zeros((4, 8, 2, 48)), [3, -1, 31, 0, 17, 9])
+out["rope_write_kv_q"], out["rope_write_kv_k"], out["rope_write_kv_v"] = np.array(qr), np.array(kc), np.array(vc)
 np.savez(sys.argv[1], **out)
 print(json.dumps(ops._ext.cpu_attention_variant()))
 """
@@ -107,6 +114,21 @@ def _references():
     r5 = np.random.default_rng(5)
     h, wh = r5.standard_normal((40, 72)).astype(np.float32), r5.standard_normal((3001, 72)).astype(np.float32)
     ref["argmax_head"] = np.argmax(h.astype(np.float64) @ wh.astype(np.float64).T, axis=1)
+    r7 = np.random.default_rng(7)
+    qkv = r7.standard_normal((6, 9 * 48)).astype(np.float32).astype(np.float64)
+    tab = r7.uniform(-1, 1, (6, 16, 2)).astype(np.float32).astype(np.float64)
+
+    def rotate(x):  # pairs (i, i + 16) of the first 32 of 48 dims
+        a, b, c, s = x[..., :16], x[..., 16:32], tab[:, None, :, 0], tab[:, None, :, 1]
+        return np.concatenate([a * c - b * s, b * c + a * s, x[..., 32:]], axis=-1)
+
+    q, k, v = (qkv[:, :240].reshape(6, 5, 48), qkv[:, 240:336].reshape(6, 2, 48), qkv[:, 336:].reshape(6, 2, 48))
+    ref["rope_write_kv_q"] = rotate(q)
+    kc, vc = np.zeros((32, 2, 48)), np.zeros((32, 2, 48))
+    for t, slot in enumerate([3, -1, 31, 0, 17, 9]):
+        if slot >= 0:
+            kc[slot], vc[slot] = rotate(k)[t], v[t]
+    ref["rope_write_kv_k"], ref["rope_write_kv_v"] = kc.reshape(4, 8, 2, 48), vc.reshape(4, 8, 2, 48)
     return ref
 
 

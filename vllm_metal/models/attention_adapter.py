@@ -253,6 +253,9 @@ class PagedAttentionLayer(nn.Module):
         self.uses_rope = rope is not None
         self.rope_dims = self.head_dim
         self.rope_plan = None  # set by models/cpu_norm_rope.py on MLX's CPU device
+        # RoPE and the cache write as one primitive where the plan allows
+        # (VLLM_METAL_FUSED_KV_WRITE; set with the plan by cpu_norm_rope.py).
+        self.fused_write = False
         # M-RoPE (multimodal/loader.py sets both): the module's rotation as a
         # table plan, and int32 [rotated / 2]: the position stream of each frequency.
         self.mrope_plan = None
@@ -280,8 +283,10 @@ class PagedAttentionLayer(nn.Module):
         """The RoPE module this layer applies, or None (NoPE)."""
         return getattr(self.inner, "rope", None) if self.uses_rope else None
 
-    def apply_rope(self, q: mx.array, k: mx.array, step: StepAttentionInputs) -> tuple[mx.array, mx.array]:
-        """q [tokens, heads, dim] and k rotated, each token at its own position."""
+    def rope_table(self, step: StepAttentionInputs) -> tuple[mx.array, bool] | None:
+        """The step's (cos, sin) table of this layer's RoPE and its pairing
+        (`traditional`), where a plan reproduces the module (MLX's CPU device):
+        built by the first layer that asks, shared by those with the same plan."""
         if step.mrope_positions is not None and self.mrope_plan is not None:
             plan = self.mrope_plan
             key = ("mrope", plan.key)
@@ -289,18 +294,49 @@ class PagedAttentionLayer(nn.Module):
             if table is None:
                 table = step.rope_tables[key] = merged_rope_table(
                     [plan.table(self.inner.rope, step.mrope_positions[i]) for i in range(3)], self.mrope_streams)
-            return ops.rope(q, table, traditional=plan.traditional), ops.rope(k, table, traditional=plan.traditional)
+            return table, plan.traditional
         plan = self.rope_plan
-        if plan is not None:  # MLX's CPU device: one table per step, the RoPE primitive
-            table = step.rope_tables.get(plan.key)
-            if table is None:
-                table = step.rope_tables[plan.key] = plan.table(self.inner.rope, step.positions)
-            return ops.rope(q, table, traditional=plan.traditional), ops.rope(k, table, traditional=plan.traditional)
+        if plan is None:
+            return None
+        table = step.rope_tables.get(plan.key)
+        if table is None:
+            table = step.rope_tables[plan.key] = plan.table(self.inner.rope, step.positions)
+        return table, plan.traditional
+
+    def apply_rope(self, q: mx.array, k: mx.array, step: StepAttentionInputs) -> tuple[mx.array, mx.array]:
+        """q [tokens, heads, dim] and k rotated, each token at its own position."""
+        planned = self.rope_table(step)
+        if planned is not None:  # MLX's CPU device: one table per step, the RoPE primitive
+            table, traditional = planned
+            return ops.rope(q, table, traditional=traditional), ops.rope(k, table, traditional=traditional)
         # RoPE over a length-1 axis with one offset per token = each token at
         # its own position, whatever sequence it belongs to.
         rope = self.inner.rope
         return (rope(q[:, :, None, :], offset=step.positions)[:, :, 0, :],
                 rope(k[:, :, None, :], offset=step.positions)[:, :, 0, :])
+
+    def rope_and_write(self, q: mx.array, k: mx.array, v: mx.array, store: "PagedKVCache", layer: int,
+                       step: StepAttentionInputs) -> tuple[mx.array, mx.array, mx.array] | None:
+        """RoPE of q and k and the K/V cache write as one operation (the
+        RopeWriteKV primitive, MLX's CPU device) where this layer allows it:
+        its own plain cache, rotation by a plan, nothing between RoPE and the
+        write (hunyuan's post-RoPE norms), the slots known on the host, one
+        dtype. Returns (q, kc, vc), or None for the separate operations."""
+        group = store.layer_group[layer]
+        slots = step.slot_mappings[group]
+        if not (self.uses_rope and self.owns_kv and self.fused_write and store.kv_cache_dtype == "auto"
+                and isinstance(slots, ops.SlotMapping) and not hasattr(self.inner, "query_layernorm")):
+            return None
+        kc, vc = store.keys[layer], store.values[layer]
+        if not (q.dtype == k.dtype == v.dtype == kc.dtype == vc.dtype) or k.shape[-1] != kc.shape[-1]:
+            return None
+        planned = self.rope_table(step)
+        if planned is None:
+            return None
+        table, traditional = planned
+        q, kc, vc = ops.rope_write_kv(q, k, v, table, kc, vc, slots, traditional=traditional)
+        store.keys[layer], store.values[layer] = kc, vc
+        return q, kc, vc
 
     def scale_queries(self, q: mx.array, step: StepAttentionInputs) -> mx.array:
         """Hook for a family that scales queries per token after RoPE (ministral3)."""
@@ -323,14 +359,18 @@ class PagedAttentionLayer(nn.Module):
         v = v.reshape(n, self.num_kv_heads, -1)
         if self.qk_norm == "head":
             q, k = getattr(a, names["q_norm"])(q), getattr(a, names["k_norm"])(k)
-        if self.uses_rope:
-            q, k = self.apply_rope(q, k, step)
-        if hasattr(a, "query_layernorm"):  # hunyuan_v1_dense: per-head norms after RoPE
-            q, k = a.query_layernorm(q), a.key_layernorm(k)
-        q = self.scale_queries(q, step)
-
         layer, group = cache.layer, store.layer_group[cache.layer]
-        kc, vc = store.write(layer, k, v, step.slot_mappings[group])
+        fused = self.rope_and_write(q, k, v, store, layer, step)
+        if fused is not None:
+            q, kc, vc = fused
+            q = self.scale_queries(q, step)
+        else:
+            if self.uses_rope:
+                q, k = self.apply_rope(q, k, step)
+            if hasattr(a, "query_layernorm"):  # hunyuan_v1_dense: per-head norms after RoPE
+                q, k = a.query_layernorm(q), a.key_layernorm(k)
+            q = self.scale_queries(q, step)
+            kc, vc = store.write(layer, k, v, step.slot_mappings[group])
         q, cache_args = store.query(q)
         sinks = a.sinks.astype(mx.float32) if self.has_sinks else None
         out = ops.paged_attention(q, kc, vc, step.block_tables[group], step.seq_lens,

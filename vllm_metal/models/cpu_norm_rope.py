@@ -16,7 +16,9 @@ swaps them at load, on the CPU device only (on Metal both are fused kernels):
   token's (cos, sin) pairs with the module's own frequencies and scaling
   (llama3, yarn, longrope...), and `ops.rope` rotates q and k of every layer
   that shares the plan's key with that one table. A module the probe cannot
-  reproduce keeps being called as before.
+  reproduce keeps being called as before. Such a layer also rotates its q
+  and k and writes its K/V cache rows in one primitive, `ops.rope_write_kv`
+  (VLLM_METAL_FUSED_KV_WRITE), where its cache allows (attention_adapter.py).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def use_cpu_norm_rope(model: nn.Module, layers: list, attention_class: type) -> 
         if id(rope) not in plans:
             plans[id(rope)] = plan_rope(rope, attn.rope_dims)
         attn.rope_plan = plans[id(rope)]
+        attn.fused_write = envs.get_bool("VLLM_METAL_FUSED_KV_WRITE")
         if attn.rope_plan is not None:
             counts["rope"] += 1
             keys.add(attn.rope_plan.key)

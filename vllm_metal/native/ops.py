@@ -5,6 +5,7 @@
                               cu_seqlens_q, scale=..., sliding_window=None, softcap=None,
                               sinks=None, v_head_dim=None)
     key_cache, value_cache = ops.write_kv(key_cache, value_cache, k, v, slot_mapping)
+    q, key_cache, value_cache = ops.rope_write_kv(q, k, v, table, key_cache, value_cache, slot_mapping)
     y, state = ops.gated_delta(q, k, v, g, beta, state, mask=None)
 
 
@@ -13,7 +14,8 @@ caller evaluates (e.g. one `mx.eval` per engine step). `paged_attention` runs
 the native primitive (C++ on the CPU, Metal on an Apple GPU) and falls back to
 `paged_attention_reference`, built from plain MLX ops, on devices without a
 native kernel. The element-wise ops (swiglu, rms_norm, rope) and gated_delta
-live in vllm_metal.native.elementwise and are re-exported here. Layouts:
+live in vllm_metal.native.elementwise, the cache writes in
+vllm_metal.native.kv_writes; both are re-exported here. Layouts:
 
     q             [num_tokens, num_heads, head_dim]    new tokens of all sequences, packed
     key_cache     [num_blocks, block_size, num_kv_heads, head_dim]
@@ -46,10 +48,12 @@ from vllm_metal.native.elementwise import (  # noqa: E402,F401  (re-exported: op
     ARGMAX_HEAD_MIN_ROWS, GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array,
     _device_of, argmax_head, cpu_kernels, gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope,
     rope_composed, swiglu)
+from vllm_metal.native.kv_writes import (  # noqa: E402,F401  (re-exported: ops.write_kv etc.)
+    SlotMapping, _slot_array, rope_write_kv, write_cache, write_kv)
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path", "cpu_kernels",
            "gated_delta", "gated_delta_path", "swiglu", "argmax_head", "gelu", "layer_norm", "rms_norm", "rope",
-           "SlotMapping"]
+           "rope_write_kv", "write_cache", "SlotMapping"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
 
@@ -235,146 +239,3 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
             probs = mx.softmax(scores, axis=-1)
         out = probs @ gather(value_cache, v_head_dim)  # [N, kvh, G, Dv]
         return out.reshape(num_tokens, num_heads, v_head_dim).astype(q.dtype)
-
-
-def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.array,
-             slot_mapping, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
-             v_scale: float = 1.0) -> tuple[mx.array, mx.array]:
-    """Functional, graph-tracked cache write: returns the updated caches.
-
-    Token i's k[i], v[i] land in slot slot_mapping[i] (block * block_size +
-    offset); -1 writes nothing. The write is an MLX scatter: lazy, ordered by
-    the graph, and done in place on the old buffer when the caller holds no
-    other reference to the old cache arrays (`kc, vc = write_kv(kc, vc, ...)`).
-
-    Slots outside [-1, num_blocks * block_size) raise ValueError when the
-    mapping is host data or an already-computed array; in a still-lazy mapping
-    they cannot be seen before evaluation and are dropped (written nowhere),
-    so a write can never go out of bounds.
-    """
-    for name, value in (("key_cache", key_cache), ("value_cache", value_cache), ("k", k), ("v", v)):
-        _check_array(value, name)
-    if key_cache.ndim != 4:
-        raise ValueError("key_cache must have rank 4 [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim], got shape {tuple(key_cache.shape)}")
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} must match "
-                         f"key_cache {tuple(key_cache.shape)} {key_cache.dtype}")
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
-    if kv_quant.cache_format(kv_cache_dtype):  # an 8-bit cache: K / k_scale, V / v_scale as 8-bit floats
-        if key_cache.dtype != mx.uint8:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs uint8 caches, got {key_cache.dtype}")
-        k, v = kv_quant.encode(k, kv_cache_dtype, float(k_scale)), kv_quant.encode(v, kv_cache_dtype, float(v_scale))
-    return tuple(_write([key_cache, value_cache], [k, v], ["k", "v"], "key_cache", slot_mapping))
-
-
-def write_cache(cache: mx.array, x: mx.array, slot_mapping) -> mx.array:
-    """`write_kv` for one cache: latent attention (MLA) keeps a single row per
-    token, [kv_latent, k_rope], read as K and (its first kv_lora_rank
-    entries) as V. Same slots, laziness, donation and errors as `write_kv`."""
-    _check_array(cache, "cache")
-    _check_array(x, "x")
-    return _write([cache], [x], ["x"], "cache", slot_mapping)[0]
-
-
-def _write(caches: list[mx.array], news: list[mx.array], names: list[str], cache_name: str,
-           slot_mapping) -> list[mx.array]:
-    cache0 = caches[0]
-    if cache0.ndim != 4:
-        raise ValueError(f"{cache_name} must have rank 4 [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim], got shape {tuple(cache0.shape)}")
-    num_blocks, block_size, num_kv_heads, head_dim = cache0.shape
-    for name, x in zip(names, news):
-        if x.ndim != 3 or tuple(x.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match "
-                             f"the cache, got shape {tuple(x.shape)}")
-        if x.dtype != cache0.dtype:
-            raise ValueError(f"{name} dtype {x.dtype} does not match the cache dtype {cache0.dtype}")
-
-    num_slots = num_blocks * block_size
-    num_tokens = news[0].shape[0]
-    slots = _slot_array(slot_mapping, num_tokens, num_slots)
-    if isinstance(slots, SlotMapping):
-        # Known slots (the normal case): scatter only the real writes. The
-        # cache is read by nothing here, so the scatter can be donated.
-        if slots.keep.size == 0:
-            return list(caches)
-        pick = slots.pick
-        what = (lambda new, _: new) if pick is None else (lambda new, _: new[pick])
-        return [_scatter(c, x, slots.slots, what) for c, x in zip(caches, news)]
-
-    if num_tokens == 0:
-        return list(caches)
-    # Lazy slots: padding and out-of-range slots are pointed at the first real
-    # write with that write's value, so duplicates in the scatter agree; with
-    # no real write at all they rewrite slot 0 with its own content. This path
-    # reads the cache (slot 0), which may cost the in-place donation.
-    valid = (slots >= 0) & (slots < num_slots)
-    any_valid = mx.any(valid)
-    first = mx.argmax(valid)
-    safe_slots = mx.where(valid, slots, mx.where(any_valid, slots[first], 0))
-
-    def anchored(new, flat):
-        anchor_value = mx.where(any_valid, new[first], flat[0])
-        return mx.where(valid[:, None, None], new, anchor_value)
-
-    return [_scatter(c, x, safe_slots, anchored) for c, x in zip(caches, news)]
-
-
-class SlotMapping:
-    """Slots known on the host, checked and converted once: the real writes'
-    slots as an mx.array, and which tokens they are when some tokens write
-    nothing (-1). The runner builds one per step and KV-cache group, so every
-    layer's `write_kv` reuses it instead of converting the numpy array again;
-    `write_kv` makes one from any other host data."""
-
-    def __init__(self, slot_mapping):
-        host = np.asarray(slot_mapping)
-        if host.size and not np.issubdtype(host.dtype, np.integer):
-            raise ValueError(f"slot_mapping must hold integers, got dtype {host.dtype}")
-        self.host = host.astype(np.int64)
-        self.low = int(self.host.min()) if host.size else 0
-        self.high = int(self.host.max()) if host.size else -1
-        self.keep = np.nonzero(self.host.reshape(-1) >= 0)[0]
-        real = self.keep.size == self.host.size
-        self.slots = mx.array(self.host if real else self.host.reshape(-1)[self.keep])
-        self.pick = None if real else mx.array(self.keep.astype(np.int32))
-
-    def check(self, num_tokens: int, num_slots: int) -> None:
-        """Raises ValueError unless this maps num_tokens tokens into [-1, num_slots)."""
-        if self.host.shape != (num_tokens,):
-            raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], got shape {self.host.shape}")
-        if self.low < -1 or self.high >= num_slots:
-            i = int(np.nonzero((self.host < -1) | (self.host >= num_slots))[0][0])
-            raise ValueError(f"slot_mapping[{i}] = {int(self.host[i])} is outside [-1, {num_slots}) "
-                             f"(num_blocks x block_size slots; -1 means no write)")
-
-
-def _scatter(cache, new, where, what):
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat = cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
-    flat[where] = what(new, flat)
-    return flat.reshape(num_blocks, block_size, num_kv_heads, head_dim)
-
-
-def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
-    """A checked SlotMapping when the slots are known on the host (host data,
-    or an already-computed mx.array), else the lazy mx.array (shape and dtype
-    checked; its values are only known at evaluation)."""
-    if isinstance(slot_mapping, mx.array):
-        if slot_mapping.ndim != 1 or slot_mapping.shape[0] != num_tokens:
-            raise ValueError(f"slot_mapping must be [num_tokens] = [{num_tokens}], "
-                             f"got shape {tuple(slot_mapping.shape)}")
-        if not mx.issubdtype(slot_mapping.dtype, mx.integer):
-            raise ValueError(f"slot_mapping must be an integer array, got {slot_mapping.dtype}")
-        if not _ext.is_materialized(slot_mapping):
-            return slot_mapping
-        slot_mapping = SlotMapping(np.array(slot_mapping))
-    elif isinstance(slot_mapping, (np.ndarray, list, tuple)):
-        slot_mapping = SlotMapping(slot_mapping)
-    elif not isinstance(slot_mapping, SlotMapping):
-        raise TypeError("slot_mapping must be an mx.array (or numpy array/list), "
-                        f"got {type(slot_mapping).__name__}")
-    slot_mapping.check(num_tokens, num_slots)
-    return slot_mapping

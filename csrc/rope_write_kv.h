@@ -1,0 +1,65 @@
+// RoPE of a step's queries and keys and the keys' and values' cache write,
+// as one primitive for MLX's CPU device.
+//
+// A decoder layer's attention inputs were five MLX operations apart from the
+// views: RoPE of q, RoPE of k (each first copying its strided column slice
+// of the fused q/k/v product), and two scatters into the caches. On MLX's
+// CPU device each dispatched operation costs ~8 us beside its arithmetic
+// (a decode step of a 30-layer model: ~80 us a layer). This primitive reads
+// q, k and v where they lie, writes the rotated queries, and rotates each
+// key and copies each value straight into its cache slot. The caches are
+// written in place when MLX lets their buffers be donated (nothing else
+// holds them, as with the scatter it replaces); otherwise the output is a
+// copy. On Metal the adapter keeps MLX's fused RoPE and scatter, and
+// eval_gpu refuses, naming them.
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace vllm_metal {
+
+namespace mx = mlx::core;
+
+// q [tokens, heads, dim], k and v [tokens, kv_heads, dim] (float32, float16
+// or bfloat16, one dtype; any layout); table float32 [tokens, rotated / 2,
+// 2] as for rope(); key_cache and value_cache [num_blocks, block_size,
+// kv_heads, dim] of q's dtype; slots int32 [tokens]: a token's slot
+// (block * block_size + offset), -1 (or anything outside the cache) for
+// none. Returns the lazy {rotated q (row-contiguous), key_cache',
+// value_cache'}.
+std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, const mx::array& v,
+                                     const mx::array& table, const mx::array& key_cache,
+                                     const mx::array& value_cache, const mx::array& slots, bool traditional,
+                                     mx::StreamOrDevice s = {});
+
+class RopeWriteKV : public mx::Primitive {
+ public:
+  RopeWriteKV(mx::Stream stream, bool traditional) : mx::Primitive(stream), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[kKeyCache].shape(), inputs[kValueCache].shape()};
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return traditional_ == static_cast<const RopeWriteKV&>(other).traditional_;
+  }
+  const char* name() const override {
+    return "RopeWriteKV";
+  }
+
+  static constexpr int kTable = 3;
+  static constexpr int kKeyCache = 4;
+  static constexpr int kValueCache = 5;
+  static constexpr int kSlots = 6;
+
+ private:
+  bool traditional_;
+};
+
+} // namespace vllm_metal

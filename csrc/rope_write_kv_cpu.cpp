@@ -1,0 +1,98 @@
+// RopeWriteKV::eval_cpu: the CPU backend of RoPE + KV write. Takes over each
+// input cache's buffer when MLX allows it (nothing else holds it), so the
+// step's rows are written in place, and runs the kernel variant for this
+// CPU's instruction set.
+#include <cstring>
+
+#include "cpu/elementwise_op.h"
+#include "cpu/kernel_dtype.h"
+#include "cpu/rope_write_kv_kernel.h"
+#include "op_util.h"
+#include "rope_write_kv.h"
+
+namespace vllm_metal {
+
+namespace {
+
+// out (row-contiguous) = in, in any layout, element by element.
+void copy_any_layout(const mx::array& in, mx::array& out) {
+  const char* src = in.data<char>();
+  char* dst = out.data<char>();
+  const auto size = in.itemsize();
+  if (in.flags().row_contiguous) {
+    std::memcpy(dst, src, in.nbytes());
+    return;
+  }
+  const auto& st = in.strides();
+  int64_t i = 0;
+  for (int a = 0; a < in.shape(0); ++a)
+    for (int b = 0; b < in.shape(1); ++b)
+      for (int c = 0; c < in.shape(2); ++c)
+        for (int d = 0; d < in.shape(3); ++d)
+          std::memcpy(dst + size * i++, src + size * (a * st[0] + b * st[1] + c * st[2] + d * st[3]), size);
+}
+
+void set_strides(const mx::array& a, int64_t (&st)[3]) {
+  for (int i = 0; i < 3; ++i) {
+    st[i] = a.strides()[i];
+  }
+}
+
+} // namespace
+
+void RopeWriteKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  static const auto kernel = VLLM_METAL_BEST_KERNEL(rope_write_kv);
+  release_sibling_inputs(inputs, outputs);
+  auto& q_out = outputs[0];
+  q_out.set_data(mx::allocator::malloc(q_out.nbytes()));
+  bool copy[2] = {false, false};
+  for (int i = 0; i < 2; ++i) {
+    const auto& in = inputs[kKeyCache + i];
+    if (in.flags().row_contiguous && in.is_donatable()) {
+      outputs[1 + i].copy_shared_buffer(in);
+    } else {
+      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
+      copy[i] = true;
+    }
+  }
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  const auto& kc = inputs[kKeyCache];
+  cpu::RopeWriteKvArgs args{};
+  args.dtype = cpu::kernel_dtype(q_out.dtype());
+  set_strides(q, args.q_st);
+  set_strides(k, args.k_st);
+  set_strides(inputs[2], args.v_st);
+  args.tokens = q.shape(0);
+  args.num_slots = static_cast<int64_t>(kc.shape(0)) * kc.shape(1);
+  args.heads = static_cast<int>(q.shape(1));
+  args.kv_heads = static_cast<int>(k.shape(1));
+  args.dim = static_cast<int>(q.shape(2));
+  args.rotated = static_cast<int>(2 * inputs[kTable].shape(1));
+  args.traditional = traditional_;
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
+  encoder.dispatch([inputs, outputs, args, copy0 = copy[0], copy1 = copy[1]]() mutable {
+    if (copy0) copy_any_layout(inputs[kKeyCache], outputs[1]);
+    if (copy1) copy_any_layout(inputs[kValueCache], outputs[2]);
+    args.q = inputs[0].data<void>();
+    args.k = inputs[1].data<void>();
+    args.v = inputs[2].data<void>();
+    args.table = inputs[kTable].data<float>();
+    args.slots = inputs[kSlots].data<int32_t>();
+    args.q_out = outputs[0].data<void>();
+    args.key_cache = outputs[1].data<void>();
+    args.value_cache = outputs[2].data<void>();
+    if (args.tokens > 0) {
+      kernel(args);
+    }
+  });
+}
+
+} // namespace vllm_metal
