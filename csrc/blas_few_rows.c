@@ -22,20 +22,26 @@
 #include "blas_few_rows.h"
 #include "blas_few_rows_kernels.h"
 
-/* A pool of helper threads (cores - 1; the caller is the last worker). A call
+/* A pool of helper threads (cores - 1; the caller is worker 0). A call
  * publishes its job under the lock, bumps the generation and wakes them; each
- * worker w takes the w-th slice of the columns; the caller waits for all. */
+ * worker w takes the w-th slice of the columns, unless the caller, done with
+ * slice 0, took it first; the caller then waits for the slices taken. */
 enum { MAX_THREADS = 64 };
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
 static int pool_threads = 0;  /* total workers incl. the caller; 0: not started */
 static int pool_requested = 0; /* set_threads value; 0: the CPUs this process may use */
+static int pool_workers = 0;   /* slices of the current job */
 static long pool_generation = 0;
-static int pool_pending = 0;
-/* Mirrors of the two above, read without the lock by the bounded spins. */
+/* Mirror of the above, read without the lock by the workers' bounded spin. */
 static atomic_long pool_generation_seen = 0;
-static atomic_int pool_pending_seen = 0;
+/* Slice w of job g is computed by whoever first moves slice_owner[w] to g:
+ * its worker, or the caller once done with its own slice (a worker slow to
+ * wake, its core taken by another process, then holds nothing up). */
+static atomic_long slice_owner[MAX_THREADS];
+static atomic_int slices_done = 0;
+atomic_llong few_rows_taken_over = 0; /* slices the caller took from a late worker */
 /* A waiting caller spins up to CALLER_SPIN_NS for the workers to finish (its
  * core has nothing else to do: the MLX stream waits for this product), and a
  * worker up to WORKER_SPIN_NS for the next job before sleeping on the
@@ -69,12 +75,33 @@ static int spin_while_long(atomic_long* value, long old) {
   }
 }
 
-static int spin_until_zero(atomic_int* value) {
+static int spin_until_equal(atomic_int* value, int want) {
   const i64 until = now_ns() + CALLER_SPIN_NS;
   for (int i = 0;; ++i) {
-    if (atomic_load_explicit(value, memory_order_acquire) == 0) return 1;
+    if (atomic_load_explicit(value, memory_order_acquire) == want) return 1;
     cpu_relax();
     if ((i & 63) == 63 && now_ns() > until) return 0;
+  }
+}
+
+/* 1 when this thread takes slice w of job g (nobody took it for g yet). A
+ * worker still holding an older job never takes a slice: by the time its
+ * job ended, every slice of it had an owner of that job or a newer one. */
+static int claim_slice(int w, long g) {
+  long cur = atomic_load_explicit(&slice_owner[w], memory_order_acquire);
+  while (cur < g) {
+    if (atomic_compare_exchange_weak_explicit(&slice_owner[w], &cur, g, memory_order_acq_rel,
+                                              memory_order_acquire))
+      return 1;
+  }
+  return 0;
+}
+
+static void slice_done(int workers) {
+  if (atomic_fetch_add_explicit(&slices_done, 1, memory_order_acq_rel) + 1 == workers) {
+    pthread_mutex_lock(&pool_lock);
+    pthread_cond_signal(&pool_done);
+    pthread_mutex_unlock(&pool_lock);
   }
 }
 static FewRowsJob pool_job;
@@ -110,13 +137,12 @@ static void* pool_main(void* arg) {
     while (pool_generation == seen) pthread_cond_wait(&pool_wake, &pool_lock);
     seen = pool_generation;
     FewRowsJob job = pool_job;
-    const int workers = pool_threads;
+    const int workers = pool_workers;
     pthread_mutex_unlock(&pool_lock);
-    run_slice(&job, w, workers);
-    pthread_mutex_lock(&pool_lock);
-    atomic_store_explicit(&pool_pending_seen, pool_pending - 1, memory_order_release);
-    if (--pool_pending == 0) pthread_cond_signal(&pool_done);
-    pthread_mutex_unlock(&pool_lock);
+    if (w < workers && claim_slice(w, seen)) {
+      run_slice(&job, w, workers);
+      slice_done(workers);
+    }
   }
   return NULL;
 }
@@ -154,9 +180,10 @@ static void pool_reset_after_fork(void) {
   pthread_cond_init(&pool_done, NULL);
   pool_threads = 0;
   pool_generation = 0;
-  pool_pending = 0;
+  pool_workers = 0;
   atomic_store(&pool_generation_seen, 0);
-  atomic_store(&pool_pending_seen, 0);
+  for (int w = 0; w < MAX_THREADS; ++w) atomic_store(&slice_owner[w], 0);
+  atomic_store(&slices_done, 0);
 }
 
 __attribute__((constructor)) static void register_fork_handler(void) {
@@ -208,21 +235,33 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
    * second stream wins (a 30-layer chain of SmolLM2's batch-1 products, 4
    * per layer, 2.2-7 MB each: 28.5 -> 22.1 ms; docs/benchmarks.md#blas-shim). */
   const int use_pool = workers > 1 && (M * N * K >= (1 << 20) || (M <= 2 && N * K * 4 >= (256 << 10)));
+  long gen = 0;
   if (use_pool) {
     pool_job = job;
-    pool_pending = workers - 1;
-    atomic_store_explicit(&pool_pending_seen, pool_pending, memory_order_release);
-    ++pool_generation;
-    atomic_store_explicit(&pool_generation_seen, pool_generation, memory_order_release);
+    pool_workers = workers;
+    atomic_store_explicit(&slices_done, 0, memory_order_release);
+    gen = ++pool_generation;
+    atomic_store_explicit(&pool_generation_seen, gen, memory_order_release);
     pthread_cond_broadcast(&pool_wake);
   }
   pthread_mutex_unlock(&pool_lock);
-  run_slice(&job, 0, use_pool ? workers : 1);
-  if (use_pool) {
-    spin_until_zero(&pool_pending_seen);
-    pthread_mutex_lock(&pool_lock);
-    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_lock);
-    pthread_mutex_unlock(&pool_lock);
+  if (!use_pool) {
+    run_slice(&job, 0, 1);
+  } else {
+    /* Slice 0, then any slice whose worker has not taken it yet. */
+    for (int w = 0; w < workers; ++w) {
+      if (claim_slice(w, gen)) {
+        if (w > 0) atomic_fetch_add_explicit(&few_rows_taken_over, 1, memory_order_relaxed);
+        run_slice(&job, w, workers);
+        slice_done(workers);
+      }
+    }
+    if (!spin_until_equal(&slices_done, workers)) {
+      pthread_mutex_lock(&pool_lock);
+      while (atomic_load_explicit(&slices_done, memory_order_acquire) != workers)
+        pthread_cond_wait(&pool_done, &pool_lock);
+      pthread_mutex_unlock(&pool_lock);
+    }
   }
   pthread_mutex_unlock(&call_lock);
 }

@@ -1,6 +1,7 @@
 /* Between blas_shim.c and its few-row kernel (blas_few_rows.c). */
 #pragma once
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -15,3 +16,7 @@ int few_rows_cpu_supported(void);
  * few_rows_cpu_supported(). One call at a time runs; others wait. */
 void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
                     i64 ldb, float beta, float* C, i64 ldc);
+
+/* Slices the calling thread computed for a pool worker that had not taken
+ * them yet (its core busy elsewhere): vllm_metal_blas_shim_calls(6). */
+extern atomic_llong few_rows_taken_over;

@@ -149,7 +149,7 @@ EXPORT int vllm_metal_blas_shim_set_few_rows_max(int rows) {
 
 /* Calls seen so far: 0 sgemm forwarded as sgemm, 1 sgemm forwarded as sgemv,
  * 2 dgemm, 3 cgemm, 4 sgemm computed as its transpose, 5 sgemm run by the
- * few-row kernel. */
+ * few-row kernel, 6 slices of those the caller took over from a late worker. */
 EXPORT long long vllm_metal_blas_shim_calls(int which) {
   switch (which) {
     case 0: return atomic_load(&n_sgemm);
@@ -158,6 +158,7 @@ EXPORT long long vllm_metal_blas_shim_calls(int which) {
     case 3: return atomic_load(&n_cgemm);
     case 4: return atomic_load(&n_transposed);
     case 5: return atomic_load(&n_few_rows);
+    case 6: return atomic_load(&few_rows_taken_over);
     default: return -1;
   }
 }

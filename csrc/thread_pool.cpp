@@ -2,6 +2,7 @@
 #include "thread_pool.h"
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -16,6 +17,12 @@ namespace {
 
 thread_local bool in_parallel_region = false;
 
+// Tasks are claimed from one counter tagged with the job's generation, and
+// the caller waits for the job's tasks, not for the workers: a worker that
+// has not woken up yet (its core busy with another process: the API server,
+// the benchmark client) holds nothing up, since the caller takes every task
+// left. A late worker finds the counter at the end of its job, or tagged
+// with a newer one, and claims nothing of a job it did not see start.
 class ThreadPool {
  public:
   explicit ThreadPool(int num_workers) {
@@ -39,19 +46,26 @@ class ThreadPool {
   // keeps a second stream (or a test thread) from interleaving jobs.
   void run(std::size_t n, const std::function<void(std::size_t)>& fn) {
     std::lock_guard<std::mutex> job_lock(job_mutex_);
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      gen = (generation_ + 1) & kGenerationMask;
+      generation_ = gen;
       fn_ = &fn;
       n_ = n;
-      next_.store(0);
-      active_ = static_cast<int>(workers_.size());
       error_ = nullptr;
-      ++generation_;
+      done_.store(0);
+      ticket_.store(gen << 32);
     }
     wake_.notify_all();
-    work();  // the caller works too
+    work(gen, &fn, n);  // the caller works too, until no task is left
+    // Then waits for the tasks others claimed: briefly spinning (they are
+    // short), then sleeping.
+    for (int i = 0; i < kSpins && done_.load(std::memory_order_acquire) != n; ++i) {
+      cpu_relax();
+    }
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return active_ == 0; });
+    finished_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     fn_ = nullptr;
     if (error_) {
       std::rethrow_exception(error_);
@@ -59,25 +73,64 @@ class ThreadPool {
   }
 
  private:
-  void work() {
+  static constexpr uint64_t kGenerationMask = 0xffffffffu;
+  static constexpr int kSpins = 2000;
+
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  // Claims and runs tasks of job `gen` while any is left.
+  void work(uint64_t gen, const std::function<void(std::size_t)>* fn, std::size_t n) {
     in_parallel_region = true;
-    for (std::size_t i; (i = next_.fetch_add(1)) < n_;) {
-      try {
-        (*fn_)(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) {
-          error_ = std::current_exception();
-        }
-        next_.store(n_);  // stop handing out work
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    while ((t >> 32) == gen && (t & kGenerationMask) < n) {
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+        continue;  // t reloaded
       }
+      const std::size_t i = t & kGenerationMask;
+      try {
+        (*fn)(i);
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!error_) {
+            error_ = std::current_exception();
+          }
+        }
+        stop(gen, n);
+      }
+      finish(1, n);
+      t = ticket_.load(std::memory_order_acquire);
     }
     in_parallel_region = false;
   }
 
+  // After an error: no more tasks handed out; the ones never claimed count as done.
+  void stop(uint64_t gen, std::size_t n) {
+    uint64_t t = ticket_.load();
+    while ((t >> 32) == gen && (t & kGenerationMask) < n) {
+      if (ticket_.compare_exchange_weak(t, (gen << 32) | n)) {
+        finish(n - (t & kGenerationMask), n);
+        return;
+      }
+    }
+  }
+
+  void finish(std::size_t tasks, std::size_t n) {
+    if (done_.fetch_add(tasks, std::memory_order_acq_rel) + tasks == n) {
+      std::lock_guard<std::mutex> lock(mutex_);  // the caller checks under it
+      finished_.notify_one();
+    }
+  }
+
   void worker_loop() {
-    std::size_t seen = 0;
+    uint64_t seen = 0;
     while (true) {
+      const std::function<void(std::size_t)>* fn;
+      std::size_t n;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
@@ -85,13 +138,12 @@ class ThreadPool {
           return;
         }
         seen = generation_;
+        fn = fn_;
+        n = n_;
       }
-      work();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        --active_;
+      if (fn != nullptr) {
+        work(seen, fn, n);
       }
-      done_.notify_one();
     }
   }
 
@@ -99,12 +151,12 @@ class ThreadPool {
   std::mutex job_mutex_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::condition_variable done_;
+  std::condition_variable finished_;
   const std::function<void(std::size_t)>* fn_ = nullptr;
   std::size_t n_ = 0;
-  std::atomic<std::size_t> next_{0};
-  std::size_t generation_ = 0;
-  int active_ = 0;
+  std::atomic<uint64_t> ticket_{0};  // job generation << 32 | next task
+  std::atomic<std::size_t> done_{0};
+  uint64_t generation_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
 };
@@ -151,7 +203,7 @@ void parallel_for(std::size_t n, const std::function<void(std::size_t)>& fn) {
   if (n == 0) {
     return;
   }
-  if (n == 1 || in_parallel_region || cpu_thread_count() == 1) {
+  if (n == 1 || in_parallel_region || cpu_thread_count() == 1 || n > 0xffffffffu) {
     for (std::size_t i = 0; i < n; ++i) {
       fn(i);
     }

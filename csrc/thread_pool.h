@@ -12,7 +12,8 @@ namespace vllm_metal {
 int cpu_thread_count();
 
 // Calls fn(i) exactly once for every i in [0, n), spread over the pool with
-// dynamic scheduling. Blocks until all calls returned. If any call throws, the
+// dynamic scheduling (the caller takes whatever tasks the workers have not
+// claimed: a worker slow to wake holds nothing up). Blocks until all calls returned. If any call throws, the
 // first exception is rethrown here after the others finished. Calls from
 // inside a worker run serially (no nested parallelism, no deadlock).
 void parallel_for(std::size_t n, const std::function<void(std::size_t)>& fn);

@@ -58,3 +58,23 @@ def test_the_primitives_refuse_a_gpu_stream():
         mx.eval(ops._ext.rms_norm(x, mx.ones((8,)), 1e-5, stream=mx.gpu))
     with pytest.raises(RuntimeError, match="RoPE module"):
         mx.eval(ops._ext.rope(x, mx.ones((2, 4, 2)), False, stream=mx.gpu))
+
+
+def test_gpu_rope_write_kv_is_rope_then_write_kv():
+    """Off the CPU, ops.rope_write_kv is ops.rope + ops.write_kv (MLX's own
+    operations); the RopeWriteKV primitive is CPU-only and refuses a GPU
+    stream, naming what to call."""
+    rng = np.random.default_rng(4)
+    q = mx.array(rng.standard_normal((3, 4, 64)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32)) for _ in range(2))
+    table = mx.array(rng.uniform(-1, 1, (3, 32, 2)).astype(np.float32))
+    slots = [5, -1, 30]
+    got = {}
+    for device in (mx.gpu, mx.cpu):
+        kc, vc = mx.zeros((4, 8, 2, 64)), mx.zeros((4, 8, 2, 64))
+        got[device.type] = [np.array(a) for a in ops.rope_write_kv(q, k, v, table, kc, vc, slots, stream=device)]
+    for gpu, cpu in zip(got[mx.gpu.type], got[mx.cpu.type]):
+        np.testing.assert_allclose(gpu, cpu, rtol=2e-5, atol=2e-5)
+    with pytest.raises(RuntimeError, match="rope_write_kv"):
+        mx.eval(ops._ext.rope_write_kv(q, k, v, table, mx.zeros((4, 8, 2, 64)), mx.zeros((4, 8, 2, 64)),
+                                       mx.array(np.array(slots, np.int32)), False, stream=mx.gpu))

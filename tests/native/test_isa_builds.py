@@ -25,7 +25,9 @@ from numpy_reference import make_batch, paged_attention_f64
 
 # Runs in the subprocess: the ops on fixed data, saved to an .npz file.
 _SCRIPT = r"""
-import json, sys, numpy as np, mlx.core as mx
+import json, sys
+import vllm_metal  # before mlx.core: the BLAS shim binds MLX's matmuls (matmul_1row below)
+import numpy as np, mlx.core as mx
 sys.path.insert(0, {tests!r})
 from numpy_reference import make_batch
 from vllm_metal.native import ops

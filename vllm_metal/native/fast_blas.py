@@ -274,12 +274,14 @@ def summary() -> str:
 
 
 def shim_calls() -> dict[str, int] | None:
-    """How many calls the shim has forwarded (None when it is not bound)."""
+    """How many calls the shim has forwarded (None when it is not bound), and
+    `few_rows_taken_over`: slices of the few-row pool's products that the
+    calling thread computed because their worker had not started them yet."""
     if _shim is None:
         return None
     return {name: int(_shim.vllm_metal_blas_shim_calls(i))
             for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm", "sgemm_transposed",
-                                      "sgemm_few_rows"))}
+                                      "sgemm_few_rows", "few_rows_taken_over"))}
 
 
 def set_gemv_max_rows(rows: int) -> int | None:
