@@ -11,6 +11,7 @@
 #include "cpu/isa.h"
 #include "cpu/kernel_dtype.h"
 #include "gated_delta.h"
+#include "op_util.h"
 
 namespace vllm_metal {
 
@@ -23,22 +24,6 @@ void (*select_gated_delta_kernel())(const cpu::GatedDeltaKernelArgs&) {
 #else
   return cpu::gated_delta_generic;
 #endif
-}
-
-// dst (row-contiguous [B, Hv, Dv, Dk]) = src in any layout.
-void copy_state(const mx::array& src, float* dst) {
-  const float* p = src.data<float>();
-  if (src.flags().row_contiguous) {
-    std::memcpy(dst, p, src.nbytes());
-    return;
-  }
-  const auto& st = src.strides();
-  int64_t i = 0;
-  for (int a = 0; a < src.shape(0); ++a)
-    for (int b = 0; b < src.shape(1); ++b)
-      for (int c = 0; c < src.shape(2); ++c)
-        for (int d = 0; d < src.shape(3); ++d)
-          dst[i++] = p[a * st[0] + b * st[1] + c * st[2] + d * st[3]];
 }
 
 } // namespace
@@ -79,7 +64,7 @@ void GatedDelta::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     const auto& in = inputs[kStateInput];
     float* state = state_out.data<float>();
     if (in.data<float>() != state) {
-      copy_state(in, state);
+      copy_4d_any_layout(in, state);
     }
     args.state_in = state;
     args.mask = has_mask(inputs) ? inputs[kMaskInput].data<bool>() : nullptr;

@@ -2,6 +2,7 @@
 // spells a shape, and the name a kernel library uses for a dtype.
 #pragma once
 
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -36,6 +37,26 @@ inline const char* kernel_dtype_name(mx::Dtype dtype, const char* op) {
     default:
       throw std::invalid_argument(std::string("[") + op + "] unsupported dtype for Metal");
   }
+}
+
+// dst (row-contiguous) = the 4-D array `src` in any layout, element by
+// element (a whole memcpy when src is row-contiguous): a primitive's output
+// that could not take its input's buffer starts as a copy of it.
+inline void copy_4d_any_layout(const mx::array& src, void* dst) {
+  const char* p = src.data<char>();
+  char* out = static_cast<char*>(dst);
+  const auto size = src.itemsize();
+  if (src.flags().row_contiguous) {
+    std::memcpy(out, p, src.nbytes());
+    return;
+  }
+  const auto& st = src.strides();
+  int64_t i = 0;
+  for (int a = 0; a < src.shape(0); ++a)
+    for (int b = 0; b < src.shape(1); ++b)
+      for (int c = 0; c < src.shape(2); ++c)
+        for (int d = 0; d < src.shape(3); ++d)
+          std::memcpy(out + size * i++, p + size * (a * st[0] + b * st[1] + c * st[2] + d * st[3]), size);
 }
 
 // MLX gives each output of a multi-output primitive its own copy of the

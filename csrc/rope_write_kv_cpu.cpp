@@ -2,8 +2,6 @@
 // input cache's buffer when MLX allows it (nothing else holds it), so the
 // step's rows are written in place, and runs the kernel variant for this
 // CPU's instruction set.
-#include <cstring>
-
 #include "cpu/elementwise_op.h"
 #include "cpu/kernel_dtype.h"
 #include "cpu/rope_write_kv_kernel.h"
@@ -13,24 +11,6 @@
 namespace vllm_metal {
 
 namespace {
-
-// out (row-contiguous) = in, in any layout, element by element.
-void copy_any_layout(const mx::array& in, mx::array& out) {
-  const char* src = in.data<char>();
-  char* dst = out.data<char>();
-  const auto size = in.itemsize();
-  if (in.flags().row_contiguous) {
-    std::memcpy(dst, src, in.nbytes());
-    return;
-  }
-  const auto& st = in.strides();
-  int64_t i = 0;
-  for (int a = 0; a < in.shape(0); ++a)
-    for (int b = 0; b < in.shape(1); ++b)
-      for (int c = 0; c < in.shape(2); ++c)
-        for (int d = 0; d < in.shape(3); ++d)
-          std::memcpy(dst + size * i++, src + size * (a * st[0] + b * st[1] + c * st[2] + d * st[3]), size);
-}
 
 void set_strides(const mx::array& a, int64_t (&st)[3]) {
   for (int i = 0; i < 3; ++i) {
@@ -79,8 +59,8 @@ void RopeWriteKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     encoder.set_output_array(o);
   }
   encoder.dispatch([inputs, outputs, args, copy0 = copy[0], copy1 = copy[1]]() mutable {
-    if (copy0) copy_any_layout(inputs[kKeyCache], outputs[1]);
-    if (copy1) copy_any_layout(inputs[kValueCache], outputs[2]);
+    if (copy0) copy_4d_any_layout(inputs[kKeyCache], outputs[1].data<void>());
+    if (copy1) copy_4d_any_layout(inputs[kValueCache], outputs[2].data<void>());
     args.q = inputs[0].data<void>();
     args.k = inputs[1].data<void>();
     args.v = inputs[2].data<void>();
