@@ -42,7 +42,7 @@ PIP=("$VPY" -m pip install -q --only-binary=:all:)
 # arrays or mapfile: macOS ships bash 3.2.)
 pin() { "$VPY" vllm_metal/versions.py --pin "$1"; }
 
-core=("mlx==$(pin mlx)" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy pytest "pytest-xdist>=3.6" packaging)
+core=("mlx==$(pin mlx)" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy pytest "pytest-xdist>=3.6" "pytest-timeout>=2.2" packaging)
 [[ "$(uname -s)" == "Linux" ]] && core+=("mlx-cpu==$(pin mlx-cpu)")
 "${PIP[@]}" "${core[@]}"
 

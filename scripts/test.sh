@@ -18,5 +18,14 @@ parallel=()
 # --no-loadscope-reorder: files in collection order (tests/conftest.py puts the longest first)
 # instead of xdist's order by test count.
 [[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+# A test that hangs fails after VLLM_METAL_TEST_TIMEOUT s (default 600; the slowest test takes
+# ~2 min) with every thread's stack printed, instead of stalling the run: pytest-timeout's
+# thread method ends the worker even inside a C call, xdist replaces it. And the whole run stops
+# (SIGINT: pytest prints what was running) after VLLM_METAL_SUITE_LIMIT s (default 75 min, under
+# CI's 90), where `timeout` exists (macOS has none by default).
+guard=(--timeout="${VLLM_METAL_TEST_TIMEOUT:-600}" --timeout-method=thread)
+limit=()
+command -v timeout >/dev/null && limit=(timeout --signal=INT --kill-after=120 "${VLLM_METAL_SUITE_LIMIT:-4500}")
 # (${a[@]+...}: bash 3.2, macOS's, calls an empty array unbound under set -u.)
-exec .venv/bin/python -m pytest tests -q -ra --durations=10 ${parallel[@]+"${parallel[@]}"} "$@"
+exec ${limit[@]+"${limit[@]}"} .venv/bin/python -m pytest tests -q -ra --durations=10 "${guard[@]}" \
+  ${parallel[@]+"${parallel[@]}"} "$@"

@@ -53,6 +53,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))  # stable
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_between_files():
+    """Each test file leaves the worker as it found it: upstream caches keyed by model path
+    emptied, garbage collected, freed heap returned (see engine_helpers.release_upstream_caches).
+    Without it two xdist workers grew to 8-10 GB each and one was OOM-killed."""
+    yield
+    from engine_helpers import release_upstream_caches, upstream_caches_hold_entries
+
+    if upstream_caches_hold_entries():  # an engine or server config was built in this process
+        release_upstream_caches()
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """The embedded default model (SmolLM2-135M-Instruct): its GGUF with config and

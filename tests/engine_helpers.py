@@ -24,7 +24,59 @@ def engine(model_dir: str, **kwargs):
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
+        release_upstream_caches()
+
+
+# Upstream caches a test process must not keep from one model to the next: vLLM keys
+# tokenizers, processors and chat-template facts by model path in functools.lru_caches
+# (vllm.tokenizers.registry.cached_get_tokenizer, vllm.transformers_utils.processor.
+# get_processor, vllm.renderers.hf's chat-template helpers, ...), ~100 MB per tiny model with
+# the renderer's tokenizer copies. A server holds one model and never notices; a test file that
+# builds an engine per family grew a pytest worker by 3 GB (pooling and LoRA families, family
+# parity: two xdist workers reached 8-10 GB and one was OOM-killed). The modules are named, not
+# found by scanning the heap: a scan of the ~900k objects costs a second per engine.
+# tests/engine/test_engine_teardown.py fails if vLLM moves the tokenizer cache elsewhere.
+UPSTREAM_CACHE_MODULES = (
+    "vllm.tokenizers.registry", "vllm.tokenizers.hf", "vllm.transformers_utils.processor",
+    "vllm.transformers_utils.config", "vllm.transformers_utils.repo_utils", "vllm.transformers_utils.utils",
+    "vllm.renderers.hf", "vllm.renderers.registry", "vllm.renderers.chat_utils.chat_template",
+    # supports_kw's cache keys hold the renderer's per-tokenizer pool class's methods (and so its
+    # tokenizer copies)
+    "vllm.utils.func_utils",
+)
+
+
+def _upstream_caches() -> list:
+    import functools
+    import sys
+
+    found = []
+    for name in UPSTREAM_CACHE_MODULES:
+        module = sys.modules.get(name)
+        found += [v for v in vars(module).values() if isinstance(v, functools._lru_cache_wrapper)] if module else []
+    return found
+
+
+def upstream_caches_hold_entries() -> bool:
+    return any(cache.cache_info().currsize for cache in _upstream_caches())
+
+
+def release_upstream_caches() -> int:
+    """Empties the model-keyed lru_caches of UPSTREAM_CACHE_MODULES, collects garbage and
+    hands freed heap back to the OS (glibc). Returns how many caches held entries."""
+    import ctypes
+    import ctypes.util
+
+    emptied = 0
+    for cache in _upstream_caches():
+        if cache.cache_info().currsize:
+            cache.cache_clear()
+            emptied += 1
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+    return emptied
 
 
 def runner_of(llm):

@@ -76,9 +76,13 @@ def record_drafts(runner, into: list) -> None:
     drafter.propose = recording
 
 
-def check_drafts_against_mlx_lm(draft_dir: str, records: list, every: int) -> int:
+def check_drafts_against_mlx_lm(draft_dir: str, records: list, every: int, most: int = 24) -> int:
     """Every `every`-th recorded proposal (and each request's first: its catch-up) is
-    mlx-lm's greedy continuation of the draft model's own weights; returns how many were checked."""
+    mlx-lm's greedy continuation of the draft model's own weights; returns how many were checked.
+    At most `most` are checked (each request's first ones first, then evenly over the rest):
+    how many proposals a run records depends on the speculation budget, which follows measured
+    step times, and each check is a full prefill of the draft model (a run on a busy machine
+    once recorded enough to take 5 minutes)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -86,12 +90,17 @@ def check_drafts_against_mlx_lm(draft_dir: str, records: list, every: int) -> in
 
     model, _ = load(draft_dir)
     model = dequantize_model(model)  # as the engine serves it on the CPU (MLX's quantized matmul is 7x slower)
-    seen, checked = set(), 0
+    seen, firsts, others = set(), [], []
     for i, (tokens, drafts) in enumerate(records):
         first = tuple(tokens[:8]) not in seen
         seen.add(tuple(tokens[:8]))
-        if not drafts or not (first or i % every == 0):
-            continue
+        if drafts and (first or i % every == 0):
+            (firsts if first else others).append(i)
+    room = max(0, most - len(firsts))
+    picked = firsts[:most] + (others if len(others) <= room else [others[k * len(others) // room] for k in range(room)])
+    checked = 0
+    for i in sorted(picked):
+        tokens, drafts = records[i]
         cache = make_prompt_cache(model)
         logits = model(mx.array(tokens)[None], cache=cache)
         want = []
