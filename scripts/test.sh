@@ -19,11 +19,14 @@ parallel=()
 # instead of xdist's order by test count.
 [[ "$workers" != "0" ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 # A test that hangs fails after VLLM_METAL_TEST_TIMEOUT s (default 600; the slowest test takes
-# ~2 min) with every thread's stack printed, instead of stalling the run: pytest-timeout's
-# thread method ends the worker even inside a C call, xdist replaces it. And the whole run stops
-# (SIGINT: pytest prints what was running) after VLLM_METAL_SUITE_LIMIT s (default 75 min, under
-# CI's 90), where `timeout` exists (macOS has none by default).
-guard=(--timeout="${VLLM_METAL_TEST_TIMEOUT:-600}" --timeout-method=thread)
+# ~2.5 min) with every thread's stack printed, and the run goes on: pytest-timeout's signal
+# method fails the test in place. (Its thread method ends the worker instead, and xdist's
+# --dist loadfile then hands the same file, hung test first, to each replacement worker: measured,
+# nine times over.) A worker that crashes (the OOM killer) is replaced at most twice. And the
+# whole run stops (SIGINT: pytest prints what was running) after VLLM_METAL_SUITE_LIMIT s
+# (default 75 min, under CI's 90), where `timeout` exists (macOS has none by default).
+guard=(--timeout="${VLLM_METAL_TEST_TIMEOUT:-600}" --timeout-method=signal)
+[[ "$workers" != "0" ]] && guard+=(--max-worker-restart=2)
 limit=()
 command -v timeout >/dev/null && limit=(timeout --signal=INT --kill-after=120 "${VLLM_METAL_SUITE_LIMIT:-4500}")
 # (${a[@]+...}: bash 3.2, macOS's, calls an empty array unbound under set -u.)
