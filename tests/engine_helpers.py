@@ -61,22 +61,18 @@ def upstream_caches_hold_entries() -> bool:
     return any(cache.cache_info().currsize for cache in _upstream_caches())
 
 
-def release_upstream_caches() -> int:
+def release_upstream_caches() -> None:
     """Empties the model-keyed lru_caches of UPSTREAM_CACHE_MODULES, collects garbage and
-    hands freed heap back to the OS (glibc). Returns how many caches held entries."""
+    hands freed heap back to the OS (glibc)."""
     import ctypes
     import ctypes.util
 
-    emptied = 0
     for cache in _upstream_caches():
-        if cache.cache_info().currsize:
-            cache.cache_clear()
-            emptied += 1
+        cache.cache_clear()
     gc.collect()
     libc = ctypes.util.find_library("c")
     if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
         ctypes.CDLL(libc).malloc_trim(0)
-    return emptied
 
 
 def runner_of(llm):

@@ -40,4 +40,3 @@ def test_a_shut_down_engine_leaves_no_runner_memory_or_tokenizer(model_dir, tmp_
     # (a first engine in a process creates an 8-byte module constant; the model's weights and
     # cache are > 100 MB)
     assert mx.get_active_memory() <= held + 1024
-
