@@ -18,10 +18,12 @@ if [[ "$(uname -s)" == "Linux" ]]; then
   # through the BLAS shim the extension build makes, LAPACK to Debian's),
   # a C/C++ compiler for the build, and
   # clang 19 + compiler-rt for the Metal checks (tests/metal: the MSL
-  # executor and the macOS compile check; see docs/metal.md), and iproute2
-  # for the multi-host tests' network namespaces (tests/distributed).
+  # executor and the macOS compile check; see docs/metal.md), iproute2
+  # for the multi-host tests' network namespaces (tests/distributed), and
+  # tcmalloc, which the plugin preloads into a served engine's process
+  # (vllm_metal/native/allocator.py: glibc's malloc slows the steps).
   need=()
-  for pkg in libopenblas0-pthread g++ clang-19 libclang-rt-19-dev iproute2; do
+  for pkg in libopenblas0-pthread libtcmalloc-minimal4 g++ clang-19 libclang-rt-19-dev iproute2; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then

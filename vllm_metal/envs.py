@@ -46,6 +46,12 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "the system OpenBLAS; a path loads that library; 'reference' keeps the mlx-cpu "
         "wheel's slow reference BLAS.",
     ),
+    "VLLM_METAL_TCMALLOC": (
+        "auto",
+        "Linux, MLX's CPU device: 'auto' preloads tcmalloc (Debian's libtcmalloc-minimal4) into "
+        "the engine process, spawned for it (glibc's malloc slows the step's graph building); "
+        "'0' never; a path preloads that library (native/allocator.py).",
+    ),
     "VLLM_METAL_DEQUANTIZE": (
         "auto",
         "Expand MLX-quantized weights at load: 'auto' on MLX's CPU device (its quantized "

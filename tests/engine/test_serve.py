@@ -11,10 +11,34 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def client(model_dir, tmp_path_factory):
+def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "vllm_serve.log"
-    with vllm_server(model_dir, log_path=log) as (base, _):
-        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120)
+    with vllm_server(model_dir, log_path=log) as (base, proc):
+        yield base, proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", timeout=120)
+
+
+def test_engine_process_runs_on_tcmalloc(server):
+    """On Linux (MLX's CPU device) the plugin preloads tcmalloc into the
+    engine's process (native/allocator.py); the API server keeps its own."""
+    import subprocess
+    import sys
+
+    from vllm_metal.native.allocator import find_tcmalloc
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    assert find_tcmalloc() is not None, "scripts/setup.sh installs libtcmalloc-minimal4"
+    proc = server[1]
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    engines = [c for c in children if open(f"/proc/{c}/cmdline").read().startswith("VLLM::EngineCore")]
+    assert len(engines) == 1, children
+    assert "libtcmalloc" in open(f"/proc/{engines[0]}/maps").read()
+    assert "libtcmalloc" not in open(f"/proc/{proc.pid}/maps").read()
 
 
 def ask(client, question, **kwargs):

@@ -98,6 +98,7 @@ def capabilities() -> dict:
         metal = bool(mx.metal.is_available())
         report["mlx"].update(default_device=str(mx.default_device()), metal_available=metal,
                              blas=fast_blas.summary())
+        report["allocator"] = _allocator(device, problems)
         report["extension"].update(metal_kernels=bool(ops._ext.HAS_METAL), loaded=True)
         if device == "gpu" and not metal:
             problems.append("VLLM_METAL_DEVICE=gpu but MLX has no Metal device here")
@@ -162,6 +163,22 @@ def _kv_budget(device: str) -> dict:
             "note": "vllm serve subtracts the model's weights; --kv-cache-memory-bytes sets it exactly"}
 
 
+def _allocator(device: str, problems: list[str]) -> dict:
+    """The malloc a served engine process would run on (native/allocator.py),
+    decided for this environment without changing it."""
+    from vllm_metal.native import allocator
+
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # `vllm serve`'s engine: its own process
+    try:
+        decided = allocator.plan(env, platform.system(), device)
+    except ValueError as e:
+        problems.append(str(e))
+        return {"engine": None, "reason": str(e), "this_process": allocator.engine_allocator()}
+    return {"engine": "tcmalloc" if decided.library else "unchanged", "reason": decided.reason,
+            "this_process": allocator.engine_allocator()}
+
+
 def cpu_kernels_line(k: dict) -> str:
     """"avx2 builds (host avx512, capped by VLLM_METAL_CPU_ISA=avx2)"."""
     why = f", capped by VLLM_METAL_CPU_ISA={k['cap']}" if k["cap"] and k["isa"] != k["host_isa"] else ""
@@ -176,8 +193,10 @@ def short_report(device: str) -> str:
     import mlx.core as mx
 
     name, reason = ops.attention_path(mx.gpu if device == "gpu" else mx.cpu)
+    from vllm_metal.native.allocator import engine_allocator
+
     blas = fast_blas.summary()
-    return (f"MLX {installed_mlx()} on {device}; attention: {name} ({reason}); "
+    return (f"MLX {installed_mlx()} on {device}; malloc: {engine_allocator()}; attention: {name} ({reason}); "
             f"CPU kernels: {cpu_kernels_line(ops.cpu_kernels())}; "
             f"Metal kernels {'compiled' if ops._ext.HAS_METAL else 'not compiled'}; "
             f"BLAS: {blas}; {sum(p.on_request == 'warn' for p in CUDA_PATHS)} CUDA-only paths inert, "

@@ -24,6 +24,9 @@ def format_report(r: dict) -> str:
     ]
     if "blas" in m:
         lines.append(f"blas        {m['blas']}")
+    if r.get("allocator"):
+        lines.append(f"malloc      served engine: {r['allocator']['reason']}; this process: "
+                     f"{r['allocator']['this_process']}")
     lines.append(f"extension   built against MLX {e['built_against_mlx']}; "
                  f"Metal kernels {'compiled' if e['metal_kernels'] else 'not compiled'}"
                  + ("" if e["loaded"] else " (not loadable)"))

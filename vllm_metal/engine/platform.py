@@ -223,6 +223,10 @@ class MetalPlatform(Platform):
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "vllm_metal.engine.worker.MetalWorker"
         cls._configure_parallel(parallel)
+        from vllm_metal.native.allocator import configure_engine_process
+
+        allocator = configure_engine_process(mlx_device_name())  # tcmalloc for the engine process (Linux CPU)
+        logger.info_once("vllm-metal: engine allocator: %s", allocator.reason)
         if vllm_config.lora_config is not None:
             from vllm_metal.adapters.serving_config import check_lora_config
             from vllm_metal.engine.upstream_patches import patch_lora_load_status
