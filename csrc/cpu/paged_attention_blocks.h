@@ -120,7 +120,10 @@ inline void accumulate_values_rows(float* acc, int64_t acc_stride, const float* 
     for (int i = lo; i < hi; ++i) {
       const float* vr = v + static_cast<int64_t>(i) * stride + c;
       vf x[NV];
-      for (int j = 0; j < NV; ++j) x[j] = vload(vr + j * kLanes);
+      for (int j = 0; j < NV; ++j) {
+        x[j] = vload(vr + j * kLanes);
+        keep_in_registers(x[j]);  // loaded once for the RB rows
+      }
       for (int r = 0; r < RB; ++r) {
         const float wi = w[r * w_stride + i];
         for (int j = 0; j < NV; ++j) a[r][j] += wi * x[j];
