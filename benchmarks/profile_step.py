@@ -68,6 +68,10 @@ The evaluation by op class is ESTIMATED, each class timed alone (median of
   isolated classes ran slower alone than inside the step (printed as a
   warning).
 
+The profile runs on the malloc a served engine gets (tcmalloc on Linux's
+CPU device, preloaded by re-executing this script once; VLLM_METAL_TCMALLOC=0
+keeps glibc's); the output names it.
+
 Host work = prep + graph + sample; the issue's target is < 5% of the
 batch-`--batch` decode step. Only models whose layers all have a K/V cache
 of their own in one KV-cache group are profiled (no hybrid linear-attention,
@@ -82,6 +86,22 @@ import os
 
 if os.uname().sysname != "Darwin":  # elsewhere the plugin runs on MLX's CPU device, by opt-in
     os.environ.setdefault("VLLM_METAL_DEVICE", "cpu")
+
+if __name__ == "__main__":
+    # A served engine runs on the malloc the plugin preloads into its process
+    # (tcmalloc on Linux's CPU device: vllm_metal/native/allocator.py); this
+    # profile runs the runner in its own process, so it re-executes itself
+    # once with the same LD_PRELOAD. VLLM_METAL_TCMALLOC=0: glibc's malloc.
+    from vllm_metal.native import allocator as _allocator
+
+    _plan = _allocator.plan({k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+                            os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
+    if _plan.library is not None:
+        import sys as _sys
+
+        _preload = os.environ.get("LD_PRELOAD", "")
+        _env = dict(os.environ, LD_PRELOAD=_plan.library + (":" + _preload if _preload else ""))
+        os.execve(_sys.executable, [_sys.executable, *_sys.argv], _env)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -362,7 +382,10 @@ def main(argv=None) -> dict:
     cases = {"decode, batch 1": prof.decode(1),
              f"decode, batch {args.batch}": prof.decode(args.batch),
              f"prefill, {context} tokens": prof.prefill()}
-    print(f"model {args.model}, float32, MLX {mx.__version__} on {mx.default_device()}, decode rows with "
+    from vllm_metal.native.allocator import engine_allocator
+
+    print(f"model {args.model}, float32, MLX {mx.__version__} on {mx.default_device()}, "
+          f"malloc: {engine_allocator()}, decode rows with "
           f"{context} cached tokens; median of {reps} steps after {warmups} warm-ups; ms (% of the step). "
           "matmul/attention/logits are estimated (each class timed alone), rest = eval - the three; "
           "residual = total - (prep + graph + eval + sample).\n")
@@ -375,6 +398,7 @@ def main(argv=None) -> dict:
     print(f"\nhost work (prep + graph + sample) in the batch-{args.batch} decode step: {host:.1f} ms = "
           f"{100 * host / batched['total']:.1f}% (target < 5%); run took {time.perf_counter() - start:.0f} s")
     result = {"model": args.model, "device": str(mx.default_device()), "mlx": mx.__version__,
+              "malloc": engine_allocator(),
               "context": context, "batch": args.batch, "reps": reps, "warmups": warmups,
               "host_share_batched_decode": host / batched["total"], "cases": cases}
     if args.json:

@@ -26,6 +26,12 @@ def test_quick_profile_reports_every_case_and_phase(tmp_path):
     result = json.loads(out.read_text())
     assert (result["context"], result["batch"], result["reps"]) == (64, 8, 1)
     assert list(result["cases"]) == CASES
+    # The malloc a served engine gets (vllm_metal/native/allocator.py): tcmalloc
+    # where the plugin preloads it, by the script re-executing itself.
+    from vllm_metal.native.allocator import find_tcmalloc
+
+    if sys.platform.startswith("linux") and find_tcmalloc() is not None:
+        assert result["malloc"].startswith("tcmalloc ("), result["malloc"]
 
     for name, r in result["cases"].items():
         assert set(r) == PHASES, name
