@@ -96,11 +96,11 @@ if __name__ == "__main__":
 
     _plan = _allocator.plan({k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
                             os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
-    if _plan.library is not None:
+    if _plan.library is not None:  # (the device as the platform decides it, without importing vLLM)
         import sys as _sys
 
-        _preload = os.environ.get("LD_PRELOAD", "")
-        _env = dict(os.environ, LD_PRELOAD=_plan.library + (":" + _preload if _preload else ""))
+        _env = dict(os.environ)
+        _allocator.preload_into(_env, _plan.library)
         os.execve(_sys.executable, [_sys.executable, *_sys.argv], _env)
 
 import argparse  # noqa: E402

@@ -38,6 +38,7 @@
 #include "cpu/paged_attention_blocks.h"
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_plan.h"
+#include "cpu/paged_attention_scratch.h"
 #include "cpu/paged_attention_softmax.h"
 #include "cpu/paged_attention_tiles.h"
 #include "thread_pool.h"
@@ -51,28 +52,6 @@ namespace vllm_metal::cpu {
 namespace {
 
 inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
-
-// Keys per softmax step: whole 16- or 32-key blocks are scored and reduced
-// four or two at a time (the per-step work of a row, its max, rescale and
-// sums, amortised over 64 keys); other block sizes one block per step.
-constexpr int kChunkKeys = 64;
-
-// The value rows of one block's keys within a step: lanes [off, off + n) of
-// the step's scores weigh rows v, v + stride, ... (sc.v or the cache itself).
-struct ValueSegment {
-  const float* v;
-  int64_t stride;
-  int off, n;
-};
-
-// Per-thread scratch, grown on demand and kept between calls.
-struct Scratch {
-  std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
-  ValueSegment seg[kChunkKeys / 16];
-  int nseg = 0;
-  std::vector<int> lo, hi;  // each row's lanes of the current step
-  std::vector<RowState> state, part_state;
-};
 
 // T: q and the output; C: what the caches hold (T, or an 8-bit float).
 template <typename T, typename C = T>

@@ -38,6 +38,8 @@ def test_preloaded_on_linux_cpu(found):
     assert decided.library == LIB and "spawned" in decided.reason
     # vLLM's own spawn choice (set for several ranks) does not change it.
     assert allocator.plan({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, "Linux", "cpu").library == LIB
+    for on in ("auto", "1", "on", "yes"):
+        assert allocator.plan({"VLLM_METAL_TCMALLOC": on}, "Linux", "cpu").library == LIB
 
 
 def test_no_library_says_how_to_get_one(monkeypatch):

@@ -6,7 +6,7 @@ spends ~20% of the graph-building thread's time in its slow paths there
 (`_int_malloc`, `malloc_consolidate`, `unlink_chunk`: perf of batch-1 decode
 steps, docs/benchmarks.md#allocator), and on two cores busy with the step's
 kernels that time comes straight off the step. tcmalloc's per-thread caches do not:
-measured with the same code, a batch-8 decode step 72-80 -> 66-68 ms and a
+measured with the same code, a batch-8 decode step 71-80 -> 66-68 ms and a
 1024-token prefill ~4% faster; served at concurrency 1, TPOT 36.0 -> 33.3 ms.
 glibc's own knobs (`mallopt` thresholds) measured no faster.
 
@@ -23,9 +23,10 @@ keeps its parent's malloc). Only where it helps and is safe:
   mimalloc: the user's choice stands), nor when the user asked for
   VLLM_WORKER_MULTIPROC_METHOD=fork (kept; the log says tcmalloc is unused).
 
-VLLM_METAL_TCMALLOC: 'auto' (default) uses the first library found in
-`CANDIDATES` (Debian's libtcmalloc-minimal4, which scripts/setup.sh
-installs); '0' never; a path uses that file (refused if it is not there).
+VLLM_METAL_TCMALLOC: 'auto' (default; also '1', 'on', 'true', 'yes') uses
+the first library found in `CANDIDATES` (Debian's libtcmalloc-minimal4,
+which scripts/setup.sh installs); '0' ('off', 'false', 'no') never; a path
+uses that file (refused if it is not there, like any other value).
 `engine_allocator()` says what the current process runs on (doctor, the
 worker's start-up line).
 """
@@ -99,6 +100,13 @@ def plan(environ: dict | os._Environ, system: str, device: str) -> PreloadPlan:
     return PreloadPlan(library, f"{library} preloaded into the engine process (spawned)")
 
 
+def preload_into(environ, library: str) -> None:
+    """Puts `library` first in environ's LD_PRELOAD (the processes started
+    with that environment load it before libc's malloc)."""
+    preload = environ.get("LD_PRELOAD", "")
+    environ["LD_PRELOAD"] = library + (":" + preload if preload else "")
+
+
 def configure_engine_process(device: str, environ=None) -> PreloadPlan:
     """Applies `plan` for MLX device `device` to `environ` (os.environ): what
     vllm-metal's platform calls before vLLM starts the engine process.
@@ -106,8 +114,7 @@ def configure_engine_process(device: str, environ=None) -> PreloadPlan:
     environ = os.environ if environ is None else environ
     decided = plan(environ, platform.system(), device)
     if decided.library is not None:
-        preload = environ.get("LD_PRELOAD", "")
-        environ["LD_PRELOAD"] = decided.library + (":" + preload if preload else "")
+        preload_into(environ, decided.library)
         environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     return decided
 

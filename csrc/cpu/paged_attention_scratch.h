@@ -1,0 +1,40 @@
+// The CPU paged-attention kernel's per-thread working state
+// (paged_attention_kernel.cpp): how many keys a softmax step takes, the value
+// rows a step accumulates, and the scratch buffers a unit reuses.
+//
+// Internal linkage (an unnamed namespace), like simd.h: the kernel is compiled
+// once per instruction set into one library.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu/paged_attention_softmax.h"
+
+namespace vllm_metal::cpu {
+namespace {
+
+// Keys per softmax step: whole 16- or 32-key blocks are scored and reduced
+// four or two at a time (the per-step work of a row, its max, rescale and
+// sums, amortised over 64 keys); other block sizes one block per step.
+constexpr int kChunkKeys = 64;
+
+// The value rows of one block's keys within a step: lanes [off, off + n) of
+// the step's scores weigh rows v, v + stride, ... (sc.v or the cache itself).
+struct ValueSegment {
+  const float* v;
+  int64_t stride;
+  int off, n;
+};
+
+// Per-thread scratch, grown on demand and kept between calls.
+struct Scratch {
+  std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
+  ValueSegment seg[kChunkKeys / 16];
+  int nseg = 0;
+  std::vector<int> lo, hi;  // each row's lanes of the current step
+  std::vector<RowState> state, part_state;
+};
+
+} // namespace
+} // namespace vllm_metal::cpu
