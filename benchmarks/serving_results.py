@@ -111,7 +111,7 @@ def _pct(value) -> str:
 
 
 _SOURCE_NAMES = {
-    "mlx_gemv": "MLX+OpenBLAS sgemv", "mlx_sgemm": "MLX+OpenBLAS",
+    "mlx_gemv": "MLX+shim sgemv", "mlx_sgemm": "MLX+shim",
     "numpy_copy": "numpy copy", "numpy_gemv": "numpy sgemv", "numpy_sgemm": "numpy",
     "numpy_autodetect_copy": "numpy copy (OpenBLAS autodetect)",
     "numpy_autodetect_gemv": "numpy sgemv (OpenBLAS autodetect)",
@@ -201,7 +201,7 @@ def render_markdown(report: dict) -> str:
             parts = [f"batch {b}: {v['step_ms']:.1f} ms/step ({v['tok_s']:.1f} tok/s, "
                      f"{v['weight_gbs']:.1f} GB/s of weights)" for b, v in mm.items()]
             pre = model.get("mlx_matmul_only_prefill")
-            lines += ["The model's linear layers alone through MLX+OpenBLAS (no attention, norms, "
+            lines += ["The model's linear layers alone through MLX and the BLAS shim (no attention, norms, "
                       "sampling or serving), " + "; ".join(parts)
                       + (f"; a {pre['tokens']}-token prefill {pre['seconds']:.2f} s "
                          f"({pre['gflops']:.0f} GFLOP/s"

@@ -123,8 +123,13 @@ static void slice(int w, int workers, i64 N, i64* n0, i64* n1) {
 static void run_slice(const FewRowsJob* j, int w, int workers) {
   i64 n0, n1;
   slice(w, workers, j->N, &n0, &n1);
+  if (n0 >= n1) return;
+  if (j->fn) {
+    j->fn(j->ctx, n0, n1);
+    return;
+  }
 #if defined(__x86_64__)
-  if (n0 < n1) few_rows_range(j, n0, n1);
+  few_rows_range(j, n0, n1);
 #endif
 }
 
@@ -218,26 +223,16 @@ int few_rows_cpu_supported(void) {
 EXPORT int vllm_metal_blas_shim_few_rows_supported(void) { return few_rows_cpu_supported(); }
 
 
-void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
-                    i64 ldb, float beta, float* C, i64 ldc) {
-  FewRowsJob job = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
+/* Runs `job` on the pool (use_pool) or on the caller alone. */
+static void pool_run(const FewRowsJob* job, int use_pool_if_started) {
   pthread_mutex_lock(&call_lock);
   pthread_mutex_lock(&pool_lock);
   pool_start_locked();
   const int workers = pool_threads;
-  /* Products under ~1M multiply-adds run on the caller alone: a decode
-   * step's 576 x 576 product took 0.031 ms there and 0.11 ms on two threads
-   * (the wake-up and the join cost more than half the product); from about
-   * 1M (576 x 1536) the two are even, and the pool wins from there (48k x 576:
-   * 4.8 against 9.5 ms). Those were timed with W in cache. One or two rows
-   * are bound by reading W, which in a model's decode step comes from memory
-   * (the layers' weights outgrow the caches): from 256 KiB of W the pool's
-   * second stream wins (a 30-layer chain of SmolLM2's batch-1 products, 4
-   * per layer, 2.2-7 MB each: 28.5 -> 22.1 ms; docs/benchmarks.md#blas-shim). */
-  const int use_pool = workers > 1 && (M * N * K >= (1 << 20) || (M <= 2 && N * K * 4 >= (256 << 10)));
+  const int use_pool = workers > 1 && use_pool_if_started;
   long gen = 0;
   if (use_pool) {
-    pool_job = job;
+    pool_job = *job;
     pool_workers = workers;
     atomic_store_explicit(&slices_done, 0, memory_order_release);
     gen = ++pool_generation;
@@ -246,13 +241,13 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
   }
   pthread_mutex_unlock(&pool_lock);
   if (!use_pool) {
-    run_slice(&job, 0, 1);
+    run_slice(job, 0, 1);
   } else {
     /* Slice 0, then any slice whose worker has not taken it yet. */
     for (int w = 0; w < workers; ++w) {
       if (claim_slice(w, gen)) {
         if (w > 0) atomic_fetch_add_explicit(&few_rows_taken_over, 1, memory_order_relaxed);
-        run_slice(&job, w, workers);
+        run_slice(job, w, workers);
         slice_done(workers);
       }
     }
@@ -264,4 +259,27 @@ void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, c
     }
   }
   pthread_mutex_unlock(&call_lock);
+}
+
+void pool_columns(columns_fn fn, const void* ctx, i64 N) {
+  FewRowsJob job = {0};
+  job.N = N;
+  job.fn = fn;
+  job.ctx = ctx;
+  pool_run(&job, 1);
+}
+
+void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
+                    i64 ldb, float beta, float* C, i64 ldc) {
+  FewRowsJob job = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C, NULL, NULL};
+  /* Products under ~1M multiply-adds run on the caller alone: a decode
+   * step's 576 x 576 product took 0.031 ms there and 0.11 ms on two threads
+   * (the wake-up and the join cost more than half the product); from about
+   * 1M (576 x 1536) the two are even, and the pool wins from there (48k x 576:
+   * 4.8 against 9.5 ms). Those were timed with W in cache. One or two rows
+   * are bound by reading W, which in a model's decode step comes from memory
+   * (the layers' weights outgrow the caches): from 256 KiB of W the pool's
+   * second stream wins (a 30-layer chain of SmolLM2's batch-1 products, 4
+   * per layer, 2.2-7 MB each: 28.5 -> 22.1 ms; docs/benchmarks.md#blas-shim). */
+  pool_run(&job, M * N * K >= (1 << 20) || (M <= 2 && N * K * 4 >= (256 << 10)));
 }

@@ -17,6 +17,14 @@ int few_rows_cpu_supported(void);
 void few_rows_sgemm(i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
                     i64 ldb, float beta, float* C, i64 ldc);
 
+/* Columns [n0, n1) of a product whose columns the pool splits. */
+typedef void (*columns_fn)(const void* ctx, i64 n0, i64 n1);
+
+/* Runs fn over the columns [0, N) on the few-row kernel's pool: one slice of
+ * whole multiples of 8 columns per thread (the caller takes any slice a busy
+ * worker has not started). One call at a time runs (few_rows_sgemm's too). */
+void pool_columns(columns_fn fn, const void* ctx, i64 N);
+
 /* Slices the calling thread computed for a pool worker that had not taken
  * them yet (its core busy elsewhere): vllm_metal_blas_shim_calls(6). */
 extern atomic_llong few_rows_taken_over;

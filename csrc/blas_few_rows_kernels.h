@@ -18,6 +18,10 @@ typedef struct {
   const float* A;
   const float* B;
   float* C;
+  /* Set: the pool runs fn(ctx, n0, n1) on each slice of columns instead of
+   * the few-row kernel (pool_columns: blas_shim.c's large products). */
+  columns_fn fn;
+  const void* ctx;
 } FewRowsJob;
 
 #if defined(__x86_64__)

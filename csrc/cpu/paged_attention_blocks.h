@@ -39,7 +39,7 @@ constexpr int kMaxRowBlock = 4;
 template <int RB>
 constexpr int score_groups() {
 #if defined(__AVX512F__)
-  return RB <= 4 ? 4 : 1;
+  return RB <= 4 ? 4 : 2;
 #elif defined(__AVX__)
   return RB == 1 ? 4 : RB == 2 ? 2 : 1;
 #else

@@ -4,7 +4,7 @@
 // Work is split into units of (sequence, tile of query rows, kv head[, key
 // partition]); tile sizes come from the shape-class table in
 // paged_attention_tiles.h. A unit walks the keys its rows can see in steps
-// (64 keys of 16- or 32-key blocks, else one block): it loads a step's keys
+// (128 keys of 16-, 32- or 64-key blocks, else one block): it loads a step's keys
 // once, transposed (head dim x keys, keys across the SIMD lanes), and scores
 // them against every row of the tile with a register-blocked micro-kernel
 // (row_block rows x 16 keys, one FMA chain per lane over the head dim;
@@ -17,7 +17,7 @@
 //
 // Numerics are batch-invariant by construction: a row's score for a key is a
 // dot product in head-dim order; its softmax advances one step of keys at a
-// time (absolute, aligned ranges: 64 keys of 16- or 32-key blocks, else one
+// time (absolute, aligned ranges: 128 keys of 16-, 32- or 64-key blocks, else one
 // block; kChunkKeys), masked keys contribute exact zeros;
 // keys are visited in absolute partitions of kPartition positions, each
 // reduced with a fresh online softmax and merged pairwise in position order.

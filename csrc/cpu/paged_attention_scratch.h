@@ -14,10 +14,12 @@
 namespace vllm_metal::cpu {
 namespace {
 
-// Keys per softmax step: whole 16- or 32-key blocks are scored and reduced
-// four or two at a time (the per-step work of a row, its max, rescale and
-// sums, amortised over 64 keys); other block sizes one block per step.
-constexpr int kChunkKeys = 64;
+// Keys per softmax step: whole 16-, 32- or 64-key blocks are scored and
+// reduced eight, four or two at a time (the per-step work of a row, its max,
+// rescale, horizontal sums and scalar exp, amortised over 128 keys: a
+// 1024-token prefill layer ~4% faster than with 64-key steps on AVX-512,
+// decode level; docs/primitives.md); other block sizes one block per step.
+constexpr int kChunkKeys = 128;
 
 // The value rows of one block's keys within a step: lanes [off, off + n) of
 // the step's scores weigh rows v, v + stride, ... (sc.v or the cache itself).

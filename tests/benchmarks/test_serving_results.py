@@ -96,7 +96,7 @@ def test_markdown_table_has_every_run_and_the_errors():
     assert "| 12.3 | 130.0 | 900 | 850 | 1,500 | 40 | 39 | 60 | 10/0 |" in row
     assert "| System B | 8 |" in text and "error: TimeoutError: not ready" in text
     assert "Test CPU (2 cores)" in text and "### Roofline" in text
-    assert "MLX+OpenBLAS 150" in text and "numpy copy 50.0" in text
+    assert "MLX+shim 150" in text and "numpy copy 50.0" in text
     header = next(line for line in text.splitlines() if line.startswith("| system | conc. | output"))
     assert header.count("|") == len(sr.COLUMNS) + 4
 

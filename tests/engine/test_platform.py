@@ -176,3 +176,17 @@ def test_v1_runner_contract_is_forced(model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(Exception, match="V1 model-runner contract.*unset VLLM_USE_V2_MODEL_RUNNER"):
         EngineArgs(model=model_dir, max_model_len=256).create_engine_config()
+
+
+def test_bad_sgemm_choice_refused_at_engine_start(model_dir, monkeypatch):
+    """VLLM_METAL_SGEMM is read by the BLAS set-up before MLX loads (which only
+    reports a bad value); the platform refuses it by name when the engine starts."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_metal
+
+    monkeypatch.setenv("VLLM_METAL_DEVICE", "cpu")
+    monkeypatch.setenv("VLLM_METAL_SGEMM", "fastest")
+    vllm_metal.register()
+    with pytest.raises(Exception, match="VLLM_METAL_SGEMM='fastest': use 'auto', 'mkl', 'openblas'"):
+        EngineArgs(model=model_dir, max_model_len=256).create_engine_config()

@@ -57,7 +57,9 @@ def test_shim_is_bound():
     few = int(fast_blas.few_rows_supported())
     assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + 2 * few
     assert after["sgemm_as_sgemv"] == before["sgemm_as_sgemv"] + 1 + (1 - few)
-    assert after["sgemm"] == before["sgemm"] + 2 - few
+    large = int(bool(fast_blas.large[0]))
+    assert after["sgemm_large"] == before["sgemm_large"] + large
+    assert after["sgemm"] == before["sgemm"] + 2 - few - large
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17, 300])
@@ -134,7 +136,7 @@ def _stored(op: np.ndarray, trans: int, order: int, pad: int) -> tuple[np.ndarra
 @pytest.mark.parametrize("ta", [NO_TRANS, TRANS], ids=["A", "At"])
 @pytest.mark.parametrize("tb", [NO_TRANS, TRANS], ids=["B", "Bt"])
 @pytest.mark.parametrize("mnk", [(1, 37, 29), (2, 37, 29), (23, 1, 29), (1, 1, 5), (6, 37, 29), (6, 70, 29),
-                                 (40, 70, 29), (4, 9, 16), (7, 301, 43), (8, 64, 7)])
+                                 (40, 70, 29), (4, 9, 16), (7, 301, 43), (8, 64, 7), (33, 9, 16), (70, 40, 3)])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 @pytest.mark.parametrize("few_min", [3, 1], ids=["few3", "few1"])
 def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
@@ -148,7 +150,8 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
     c_buf, ldc = _stored(c0 if beta else np.full((m, n), np.nan, np.float32), NO_TRANS, order, pad=4)
     alpha = 1.5
     previous = (fast_blas.set_gemv_max_rows(2 if gemv else 0), fast_blas.set_transpose_max_rows(32 if gemv else 0),
-                fast_blas.set_few_rows_max(8 if gemv else 0), fast_blas.set_few_rows_min(few_min))
+                fast_blas.set_few_rows_max(8 if gemv else 0), fast_blas.set_few_rows_min(few_min),
+                fast_blas.set_large_min_rows(33 if gemv else 0))
     try:
         before = fast_blas.shim_calls()
         _sgemm()(order, ta, tb, m, n, k, alpha, a_buf.ctypes.data, lda, b_buf.ctypes.data, ldb,
@@ -159,6 +162,7 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
         fast_blas.set_transpose_max_rows(previous[1])
         fast_blas.set_few_rows_max(previous[2])
         fast_blas.set_few_rows_min(previous[3])
+        fast_blas.set_large_min_rows(previous[4])
     got = c_buf[:, :m].T if order == COL_MAJOR else c_buf[:, :n]
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     ref = alpha * (a64 @ b64) + (beta * c0.astype(np.float64) if beta else 0.0)
@@ -179,7 +183,10 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
     assert after["sgemm_as_sgemv"] - before["sgemm_as_sgemv"] == int(as_gemv)
     assert after["sgemm_few_rows"] - before["sgemm_few_rows"] == int(few)
     assert after["sgemm_transposed"] - before["sgemm_transposed"] == int(transposed)
-    assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed and not few)
+    # 33 rows and more (row-major view) on the large-product library, where one is bound.
+    large = gemv and bool(fast_blas.large[0]) and not (as_gemv or few or transposed) and rows >= 33
+    assert after["sgemm_large"] - before["sgemm_large"] == int(large)
+    assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed and not few and not large)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8])

@@ -224,7 +224,9 @@ class MetalPlatform(Platform):
             parallel.worker_cls = "vllm_metal.engine.worker.MetalWorker"
         cls._configure_parallel(parallel)
         from vllm_metal.native.allocator import configure_engine_process
+        from vllm_metal.native.mkl_gemm import choice as sgemm_choice
 
+        sgemm_choice()  # a VLLM_METAL_SGEMM the BLAS set-up could not honour is refused by name
         allocator = configure_engine_process(mlx_device_name())  # tcmalloc for the engine process (Linux CPU)
         logger.info_once("vllm-metal: engine allocator: %s", allocator.reason)
         if vllm_config.lora_config is not None:

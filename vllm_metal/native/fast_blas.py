@@ -87,6 +87,8 @@ libraries: dict[str, str] = {}
 _handles: list[ctypes.CDLL] = []
 _shim: ctypes.CDLL | None = None
 _gemm_info = ""  # e.g. "OpenBLAS 0.3.30, SkylakeX kernels"
+# The large products' library (mkl_gemm.py): (MKL's version or None, where / why not).
+large: tuple[str | None, str] = (None, "not attempted")
 
 
 def numpy_openblas() -> str | None:
@@ -159,7 +161,21 @@ def _bind_shim() -> str | None:
     libraries.update(shim=shim, gemm=target)
     _gemm_info = _openblas_info(target, lib.vllm_metal_blas_shim_target().decode())
     _gemm_info += "; " + _shorten_spin(target)
+    _bind_large(lib, envs)
     return None
+
+
+def _bind_large(lib: ctypes.CDLL, envs) -> None:
+    """MKL for the products of 33 rows and more, where mkl_gemm chooses it."""
+    global large
+    from vllm_metal.native import mkl_gemm
+
+    try:
+        large = mkl_gemm.bind(lib, envs.cpu_isa_cap())
+    except ValueError as e:  # a bad VLLM_METAL_SGEMM / VLLM_METAL_CPU_ISA: the platform refuses it by name
+        large = (None, f"MKL not used: {e}")
+    if large[0]:
+        libraries["large"] = large[1].split(" (")[0]
 
 
 # OpenBLAS's workers poll for the next call (sched_yield) for 2^THREAD_TIMEOUT
@@ -253,7 +269,8 @@ def preload() -> tuple[str | None, str]:
                 "LAPACK from MLX's bundled reference LAPACK (no system OpenBLAS found)")
         status = (libraries["gemm"],
                   f"cblas_sgemm/dgemm/cgemm through vllm-metal's shim ({libraries['shim']}) to numpy's "
-                  f"{_gemm_info}, 1-2-row products as sgemv, 3-32-row ones transposed; {rest}; loaded with RTLD_GLOBAL before mlx.core")
+                  f"{_gemm_info}, 1-8-row products on the shim's own kernel, 9-32-row ones transposed, "
+                  f"{_large_summary()}; {rest}; loaded with RTLD_GLOBAL before mlx.core")
     elif system:
         status = (system, "loaded with RTLD_GLOBAL before mlx.core"
                   + (f" (BLAS shim not used: {why_no_shim})" if why_no_shim else ""))
@@ -265,11 +282,17 @@ def preload() -> tuple[str | None, str]:
     return status
 
 
+def _large_summary() -> str:
+    if large[0]:
+        return f"33 rows and more on {large[0]} (sequential, on the shim's pool; {large[1]})"
+    return f"33 rows and more on OpenBLAS ({large[1]})"
+
+
 def summary() -> str:
     """One line for `vllm-metal doctor` and the worker's start-up log."""
     if _shim is not None:
         return (f"{libraries['gemm']} ({_gemm_info}) for matmuls, through {SHIM_NAME}; "
-                f"LAPACK: {libraries.get('system', 'MLX bundled')}")
+                f"{_large_summary()}; LAPACK: {libraries.get('system', 'MLX bundled')}")
     return status[0] or status[1]
 
 
@@ -281,7 +304,7 @@ def shim_calls() -> dict[str, int] | None:
         return None
     return {name: int(_shim.vllm_metal_blas_shim_calls(i))
             for i, name in enumerate(("sgemm", "sgemm_as_sgemv", "dgemm", "cgemm", "sgemm_transposed",
-                                      "sgemm_few_rows", "few_rows_taken_over"))}
+                                      "sgemm_few_rows", "few_rows_taken_over", "sgemm_large"))}
 
 
 def set_gemv_max_rows(rows: int) -> int | None:
@@ -318,6 +341,17 @@ def set_few_rows_max(rows: int) -> int | None:
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_few_rows_max(rows))
+
+
+def set_large_min_rows(rows: int) -> int | None:
+    """Send row-major sgemm of at least `rows` rows to the large-product library (MKL) when
+    one is bound (0: never; default 33). For benchmarks and tests. Returns the previous
+    setting, or None when the shim is not bound."""
+    if _shim is None:
+        return None
+    _shim.vllm_metal_blas_shim_set_large_min_rows.argtypes = [ctypes.c_int]
+    _shim.vllm_metal_blas_shim_set_large_min_rows.restype = ctypes.c_int
+    return int(_shim.vllm_metal_blas_shim_set_large_min_rows(rows))
 
 
 def few_rows_supported() -> bool:
