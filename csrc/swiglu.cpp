@@ -21,10 +21,9 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
     throw std::invalid_argument("[swiglu] gate and up must be float32, float16 or bfloat16");
   }
   auto stream = mx::to_stream(s);
-  // Row-contiguous inputs for the kernel (a no-op for contiguous arrays).
-  auto g = mx::contiguous(gate, false, stream);
-  auto u = mx::contiguous(up, false, stream);
-  return mx::array(gate.shape(), gate.dtype(), std::make_shared<SwiGLU>(stream), {g, u});
+  // Any layout: eval_cpu reads evenly spaced contiguous rows in place (the
+  // halves of a fused gate/up product) and copies other layouts itself.
+  return mx::array(gate.shape(), gate.dtype(), std::make_shared<SwiGLU>(stream), {gate, up});
 }
 
 void SwiGLU::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -54,16 +54,29 @@ void range(const T* g, const T* u, T* out, int64_t n) {
 }
 
 template <typename T>
+void span(const T* g, const T* u, T* out, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    range_f32(g, u, out, n);
+  } else {
+    range(g, u, out, n);
+  }
+}
+
+template <typename T>
 void run(const SwigluArgs& a) {
   const T* g = static_cast<const T*>(a.gate);
   const T* u = static_cast<const T*>(a.up);
   T* out = static_cast<T*>(a.out);
-  for_ranges(a.n, kChunk, [&](int64_t lo, int64_t hi) {
-    if constexpr (std::is_same_v<T, float>) {
-      range_f32(g + lo, u + lo, out + lo, hi - lo);
-    } else {
-      range(g + lo, u + lo, out + lo, hi - lo);
-    }
+  const int64_t w = a.width;
+  if (a.rows <= 1 || (a.gate_stride == w && a.up_stride == w)) {  // one flat run
+    for_ranges(a.rows * w, kChunk, [&](int64_t lo, int64_t hi) { span(g + lo, u + lo, out + lo, hi - lo); });
+    return;
+  }
+  // Rows of strided operands (a fused gate/up product's two column halves,
+  // read in place): whole rows per task. Each element's operations are the
+  // flat path's: the same bits.
+  for_ranges(a.rows, std::max<int64_t>(1, kChunk / std::max<int64_t>(w, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) span(g + r * a.gate_stride, u + r * a.up_stride, out + r * w, w);
   });
 }
 

@@ -10,10 +10,10 @@ namespace vllm_metal::cpu {
 
 struct SwigluArgs {
   KernelDtype dtype;
-  const void* gate;  // row-contiguous, n elements
-  const void* up;
-  void* out;
-  int64_t n;
+  const void* gate;  // rows of `width` contiguous elements, row r at gate + r * gate_stride
+  const void* up;    // the same at up + r * up_stride
+  void* out;         // row-contiguous: rows * width elements
+  int64_t rows, width, gate_stride, up_stride;
 };
 
 void swiglu_generic(const SwigluArgs& args);

@@ -60,3 +60,38 @@ def test_lazy_and_bad_input(rng):
         ops.swiglu(np.zeros(2), g)
     out = ops.swiglu(g + 1, g)  # builds a graph node, computes nothing yet
     assert not ops._ext.is_materialized(out)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("layout", ["fused halves", "fused halves 3d", "one row", "transposed", "broadcast",
+                                    "mixed", "step slices", "overlapping"])
+def test_every_operand_layout_same_bits_as_contiguous(rng, dtype, layout):
+    """Rows read in place (a fused gate/up product's halves: evenly spaced
+    contiguous rows) or copied first (any other layout): the same bits as
+    the same values passed contiguous."""
+    both = mx.array((rng.standard_normal((2, 37, 2 * 100)) * 3).astype(np.float32)).astype(dtype)
+    flat = both.reshape(74, 200)
+    if layout == "fused halves":
+        gate, up = mx.split(flat, [100], axis=-1)
+    elif layout == "fused halves 3d":
+        gate, up = mx.split(both, [100], axis=-1)
+    elif layout == "one row":
+        gate, up = mx.split(flat[5:6], [100], axis=-1)
+    elif layout == "transposed":
+        gate, up = flat[:, :50].T, flat[:, 100:150].T
+    elif layout == "broadcast":
+        gate, up = mx.broadcast_to(flat[:1, :100], (74, 100)), flat[:, 100:]
+    elif layout == "mixed":
+        gate, up = flat[:, :100], mx.array(np.array(flat[:, 100:].astype(mx.float32))).astype(dtype)
+    elif layout == "step slices":
+        gate, up = flat[::2, :100], flat[1::2, 100:]
+    else:  # rows closer than their width: a view MLX can make with as_strided
+        gate = mx.as_strided(flat.reshape(-1), (10, 100), (50, 1))
+        up = mx.as_strided(flat.reshape(-1), (10, 100), (50, 1), offset=7)
+    want = ops.swiglu(mx.array(np.array(gate.astype(mx.float32))).astype(dtype),
+                      mx.array(np.array(up.astype(mx.float32))).astype(dtype))
+    got = ops.swiglu(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    atol, rtol = TOLERANCE[dtype]
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), reference(gate, up), atol=atol, rtol=rtol)
