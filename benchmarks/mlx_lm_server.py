@@ -1,8 +1,9 @@
 """Runs `mlx_lm.server` as a serving-benchmark peer: same BLAS as vllm-metal, no SSE comments.
 
-BLAS: MLX's CPU wheel links a reference BLAS; vllm-metal preloads Debian's
-OpenBLAS before `mlx.core` is imported (vllm_metal.native.fast_blas). The peer must
-get the same, or the comparison measures BLAS libraries, not servers. Before
+BLAS: MLX's CPU wheel links a reference BLAS; vllm-metal preloads its BLAS shim
+(numpy's OpenBLAS, its own few-row kernel, MKL for large products on Intel CPUs)
+and Debian's OpenBLAS before `mlx.core` is imported (vllm_metal.native.fast_blas).
+The peer must get the same, or the comparison measures BLAS libraries, not servers. Before
 serving, this prints one line, `BLAS_CHECK {...}`, with the library loaded and
 a timed 1024^3 float32 matmul, so each benchmark log shows that it took effect.
 
