@@ -29,6 +29,9 @@ from bench_serving import cpu_snapshot, foreign_cores  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (K, N)
 LAYERS = 30
+# No server session to credit: the measuring child's CPU comes from os.times (session 0 would
+# be the kernel's threads, counted as ours).
+NO_SESSION = -1
 
 MEASURE = r"""
 import json, sys, time
@@ -70,11 +73,11 @@ def run(setting: str) -> dict:
     tcmalloc = find_tcmalloc()
     if tcmalloc:
         preload_into(env, tcmalloc)
-    before, t0 = cpu_snapshot(0), time.monotonic()
+    before, t0 = cpu_snapshot(NO_SESSION), time.monotonic()
     out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(SHAPES), str(LAYERS)], env=env,
                          capture_output=True, text=True, check=True, timeout=600)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["foreign_cores"] = round(foreign_cores(before, cpu_snapshot(0), time.monotonic() - t0), 3)
+    result["foreign_cores"] = round(foreign_cores(before, cpu_snapshot(NO_SESSION), time.monotonic() - t0), 3)
     return result
 
 

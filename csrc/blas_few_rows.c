@@ -223,13 +223,14 @@ int few_rows_cpu_supported(void) {
 EXPORT int vllm_metal_blas_shim_few_rows_supported(void) { return few_rows_cpu_supported(); }
 
 
-/* Runs `job` on the pool (use_pool) or on the caller alone. */
-static void pool_run(const FewRowsJob* job, int use_pool_if_started) {
+/* Runs `job` split over the pool (want_pool, and more than one thread) or on
+ * the caller alone. */
+static void pool_run(const FewRowsJob* job, int want_pool) {
   pthread_mutex_lock(&call_lock);
   pthread_mutex_lock(&pool_lock);
   pool_start_locked();
   const int workers = pool_threads;
-  const int use_pool = workers > 1 && use_pool_if_started;
+  const int use_pool = workers > 1 && want_pool;
   long gen = 0;
   if (use_pool) {
     pool_job = *job;

@@ -66,23 +66,23 @@ void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   // contiguous first), else copied to a scratch of rows first.
   int64_t strides[2];
   bool copy[2];
-  std::vector<mx::array> scratch;
+  std::vector<mx::array> buf = inputs;  // what the kernel reads: an input, or its row-contiguous copy
   for (int i = 0; i < 2; ++i) {
     strides[i] = row_stride(inputs[i]);
     copy[i] = strides[i] < 0 || (strides[i] < width && rows > 1);
     if (copy[i]) {
-      scratch.emplace_back(inputs[i].shape(), inputs[i].dtype(), nullptr, std::vector<mx::array>{});
-      scratch.back().set_data(mx::allocator::malloc(inputs[i].nbytes()));
+      buf[i] = mx::array(inputs[i].shape(), inputs[i].dtype(), nullptr, {});
+      buf[i].set_data(mx::allocator::malloc(inputs[i].nbytes()));
       strides[i] = width;
     }
   }
   auto& encoder = cpu::begin_elementwise(stream(), inputs, out);
-  for (auto& a : scratch) encoder.add_temporary(a);
+  for (int i = 0; i < 2; ++i) {
+    if (copy[i]) encoder.add_temporary(buf[i]);
+  }
   const auto dtype = cpu::kernel_dtype(out.dtype());
-  mx::array g_buf = copy[0] ? scratch[0] : inputs[0];
-  mx::array u_buf = copy[1] ? scratch[copy[0] ? 1 : 0] : inputs[1];
-  encoder.dispatch([g = inputs[0], u = inputs[1], g_buf, u_buf, copy0 = copy[0], copy1 = copy[1], out, dtype, rows,
-                    width, gs = strides[0], us = strides[1]]() mutable {
+  encoder.dispatch([g = inputs[0], u = inputs[1], g_buf = buf[0], u_buf = buf[1], copy0 = copy[0],
+                    copy1 = copy[1], out, dtype, rows, width, gs = strides[0], us = strides[1]]() mutable {
     if (copy0) copy_any_layout(g, g_buf.data<char>());
     if (copy1) copy_any_layout(u, u_buf.data<char>());
     kernel({dtype, g_buf.data<void>(), u_buf.data<void>(), out.data<void>(), rows, width, gs, us});

@@ -51,6 +51,8 @@ Few-row products (3 to 8 rows times a weight: a batch of decode rows) run
 the shim's own AVX2 kernel, which reads the weight once at close to memory
 bandwidth, on its own small thread pool (VLLM_METAL_CPU_THREADS, or the
 usable cores), where OpenBLAS packs the weight first (csrc/blas_few_rows.c).
+Products of 33 rows and more (prefill) go to Intel MKL on Intel CPUs, on the
+same pool (mkl_gemm.py, VLLM_METAL_SGEMM); `large` says what happened.
 
 Threads: numpy's OpenBLAS sizes its pool to the cores (OPENBLAS_NUM_THREADS
 overrides it, for both libraries; the system one only serves LAPACK now, so
@@ -145,6 +147,8 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_few_rows_supported.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_threads.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_threads.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_set_large_min_rows.argtypes = [ctypes.c_int]
+        lib.vllm_metal_blas_shim_set_large_min_rows.restype = ctypes.c_int
         from vllm_metal import envs  # (no MLX import: safe before mlx.core)
 
         threads = (envs.get("VLLM_METAL_CPU_THREADS") or "").strip()
@@ -174,8 +178,6 @@ def _bind_large(lib: ctypes.CDLL, envs) -> None:
         large = mkl_gemm.bind(lib, envs.cpu_isa_cap())
     except ValueError as e:  # a bad VLLM_METAL_SGEMM / VLLM_METAL_CPU_ISA: the platform refuses it by name
         large = (None, f"MKL not used: {e}")
-    if large[0]:
-        libraries["large"] = large[1].split(" (")[0]
 
 
 # OpenBLAS's workers poll for the next call (sched_yield) for 2^THREAD_TIMEOUT
@@ -269,7 +271,7 @@ def preload() -> tuple[str | None, str]:
                 "LAPACK from MLX's bundled reference LAPACK (no system OpenBLAS found)")
         status = (libraries["gemm"],
                   f"cblas_sgemm/dgemm/cgemm through vllm-metal's shim ({libraries['shim']}) to numpy's "
-                  f"{_gemm_info}, 1-8-row products on the shim's own kernel, 9-32-row ones transposed, "
+                  f"{_gemm_info}, {_few_rows_summary()}, "
                   f"{_large_summary()}; {rest}; loaded with RTLD_GLOBAL before mlx.core")
     elif system:
         status = (system, "loaded with RTLD_GLOBAL before mlx.core"
@@ -280,6 +282,12 @@ def preload() -> tuple[str | None, str]:
                   + (f"; BLAS shim not used: {why_no_shim}" if why_no_shim else "")
                   + ("; " + "; ".join(errors) if errors else ""))
     return status
+
+
+def _few_rows_summary() -> str:
+    if few_rows_supported():
+        return "x @ W.T of 1-8 rows on the shim's own kernel, other 1-2-row products as sgemv, 3-32-row ones transposed"
+    return "1-2-row products as sgemv, 3-32-row ones transposed"
 
 
 def _large_summary() -> str:
@@ -349,8 +357,6 @@ def set_large_min_rows(rows: int) -> int | None:
     setting, or None when the shim is not bound."""
     if _shim is None:
         return None
-    _shim.vllm_metal_blas_shim_set_large_min_rows.argtypes = [ctypes.c_int]
-    _shim.vllm_metal_blas_shim_set_large_min_rows.restype = ctypes.c_int
     return int(_shim.vllm_metal_blas_shim_set_large_min_rows(rows))
 
 
