@@ -72,11 +72,7 @@ enum { kPrefetchPairsAhead = 2 };
  * in scalars. */
 #define DOT_TAIL(d, a, w) for (i64 k = K8; k < K; ++k) d += (a)[k] * (w)[k]
 
-/* One row of A (decode at batch 1) on AVX-512: eight W rows at a time, each
- * its own FMA chain of 16-lane partial sums (K's tail through a masked load).
- * Bound by reading W: the next eight rows are prefetched into L2 meanwhile
- * (Prefetch above). Returns the first column it did not do. */
-/* R W rows of one A row at a time (the block below). */
+/* R W rows of one A row at a time (one_row_avx512 below). */
 #define ONE_ROW_BLOCK(R)                                                                          \
   for (; n + (R) <= n1; n += (R)) {                                                               \
     const float* w = j->B + n * j->ldb;                                                           \
@@ -97,23 +93,133 @@ enum { kPrefetchPairsAhead = 2 };
     for (int r = 0; r < (R); ++r) store_out(j, 0, n + r, _mm512_reduce_add_ps(c[r]));            \
   }
 
-/* One row of A (decode at batch 1) on AVX-512: sixteen (then eight) W rows
- * at a time, each its own FMA chain of 16-lane partial sums (K's tail
+/* One row of A (decode at batch 1) on AVX-512: sixteen (then eight, then
+ * one) W rows at a time, each its own FMA chain of 16-lane partial sums (K's tail
  * through a masked load), so a column's sum is the same whichever block
  * computes it. Bound by reading W: the next block's rows are prefetched into
  * L2 meanwhile (Prefetch above). Sixteen rows keep more of W in flight than
  * eight: SmolLM2's 120 batch-1 products 19.2-20.1 -> 18.1-18.3 ms on two
  * threads, its batch-1 step 39.4 / 40.0 -> 38.0 / 39.2 ms (2026-11-27, Intel
  * host, interleaved; 24 rows measured no better than 16). */
-__attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static i64 one_row_avx512(const FewRowsJob* j, i64 n0,
-                                                                                   i64 n1) {
+__attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static void one_row_avx512(const FewRowsJob* j, i64 n0,
+                                                                                    i64 n1) {
   const i64 K = j->K, K16 = K & ~(i64)15;
   const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1u);
   const float* a = j->A;
   i64 n = n0;
   ONE_ROW_BLOCK(16)
   ONE_ROW_BLOCK(8)
-  return n;
+  ONE_ROW_BLOCK(1)
+}
+
+/* Sixteen sums at once: lane i of the result is _mm512_reduce_add_ps(v[4 * (i % 4) + i / 4]),
+ * bit for bit -- the same tree of additions (lanes l + l+8, then l + l+4, l + l+2, l + l+1),
+ * done for sixteen vectors together in 15 shuffle pairs instead of sixteen times alone. */
+__attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static inline __m512 reduce16_avx512(const __m512* v) {
+  __m512 u[8], w[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+/* With 2-8 rows on AVX-512, the W rows this far on are prefetched: the next block of
+ * four (4, 8, 16 and 32 measured alike, 4 by a hair). */
+enum { kRowsPrefetchAhead = 4 };
+
+/* MB (1-4) rows of A from row m against W rows [n, n + 4): sixteen 16-lane FMA
+ * chains (a column's chain exactly as one_row_avx512's), summed by reduce16_avx512,
+ * so every output has the bits of the one-row kernel: a row's result does not
+ * depend on how many rows the product has. One function per MB, so that the
+ * accumulators stay in registers. */
+#define ROW_FMAS(MB, r, v, w0, w1, w2, w3)                                                                            \
+  if ((r) < (MB)) {                                                                                                   \
+    c##r##0 = _mm512_fmadd_ps(v, w0, c##r##0);                                                                        \
+    c##r##1 = _mm512_fmadd_ps(v, w1, c##r##1);                                                                        \
+    c##r##2 = _mm512_fmadd_ps(v, w2, c##r##2);                                                                        \
+    c##r##3 = _mm512_fmadd_ps(v, w3, c##r##3);                                                                        \
+  }
+#define ROWS_BLOCK_FN(MB)                                                                                             \
+  __attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static void rows_block_avx512_##MB(                        \
+      const FewRowsJob* j, i64 m, i64 n, Prefetch* f) {                                                               \
+    const i64 K = j->K, K16 = K & ~(i64)15, ld = j->ldb, lda = j->lda;                                                \
+    const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1u);                                                       \
+    const float* w = j->B + n * ld;                                                                                   \
+    const float* a0 = j->A + m * lda;                                                                                 \
+    const float *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;                                                       \
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00,               \
+           c13 = c00, c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;         \
+    for (i64 k = 0; k < K16; k += 16) {                                                                               \
+      if (f) prefetch_next(f);                                                                                        \
+      const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + ld + k);                                     \
+      const __m512 w2 = _mm512_loadu_ps(w + 2 * ld + k), w3 = _mm512_loadu_ps(w + 3 * ld + k);                        \
+      ROW_FMAS(MB, 0, _mm512_loadu_ps(a0 + k), w0, w1, w2, w3)                                                        \
+      ROW_FMAS(MB, 1, _mm512_loadu_ps(a1 + k), w0, w1, w2, w3)                                                        \
+      ROW_FMAS(MB, 2, _mm512_loadu_ps(a2 + k), w0, w1, w2, w3)                                                        \
+      ROW_FMAS(MB, 3, _mm512_loadu_ps(a3 + k), w0, w1, w2, w3)                                                        \
+    }                                                                                                                 \
+    if (tail) {                                                                                                       \
+      const __m512 w0 = _mm512_maskz_loadu_ps(tail, w + K16), w1 = _mm512_maskz_loadu_ps(tail, w + ld + K16);         \
+      const __m512 w2 = _mm512_maskz_loadu_ps(tail, w + 2 * ld + K16);                                                \
+      const __m512 w3 = _mm512_maskz_loadu_ps(tail, w + 3 * ld + K16);                                                \
+      ROW_FMAS(MB, 0, _mm512_maskz_loadu_ps(tail, a0 + K16), w0, w1, w2, w3)                                          \
+      ROW_FMAS(MB, 1, _mm512_maskz_loadu_ps(tail, a1 + K16), w0, w1, w2, w3)                                          \
+      ROW_FMAS(MB, 2, _mm512_maskz_loadu_ps(tail, a2 + K16), w0, w1, w2, w3)                                          \
+      ROW_FMAS(MB, 3, _mm512_maskz_loadu_ps(tail, a3 + K16), w0, w1, w2, w3)                                          \
+    }                                                                                                                 \
+    /* reduce16_avx512's order: v[4 * col + row] gives lane 4 * row + col. */                                         \
+    const __m512 v[16] = {c00, c10, c20, c30, c01, c11, c21, c31, c02, c12, c22, c32, c03, c13, c23, c33};            \
+    float out[16];                                                                                                    \
+    _mm512_storeu_ps(out, reduce16_avx512(v));                                                                        \
+    for (int r = 0; r < MB; ++r)                                                                                      \
+      for (int col = 0; col < 4; ++col) store_out(j, m + r, n + col, out[4 * r + col]);                               \
+  }
+ROWS_BLOCK_FN(1)
+ROWS_BLOCK_FN(2)
+ROWS_BLOCK_FN(3)
+ROWS_BLOCK_FN(4)
+#undef ROWS_BLOCK_FN
+#undef ROW_FMAS
+
+/* Two to eight rows of A (decode at batch 2-8) on AVX-512: W four rows at a
+ * time, read from memory once for all of A's rows (in blocks of four; the
+ * second block finds them in L1), the rows kRowsPrefetchAhead on prefetched
+ * into L2 meanwhile. Columns past the last block of four: one chain each, as
+ * in one_row_avx512. Does every column of [n0, n1). */
+__attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static void rows_avx512(const FewRowsJob* j, i64 n0, i64 n1) {
+  const i64 K = j->K, K16 = K & ~(i64)15, M = j->M, ld = j->ldb;
+  const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1u);
+  i64 n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const i64 ahead = n + kRowsPrefetchAhead;
+    Prefetch f = prefetch_plan(j->B + ahead * ld, ahead + 4 <= n1 ? 4 * ld * 4 : 0, K16 / 16);
+    for (i64 m = 0; m < M; m += 4) {
+      Prefetch* pf = m == 0 ? &f : NULL;
+      switch (M - m >= 4 ? 4 : (int)(M - m)) {
+        case 4: rows_block_avx512_4(j, m, n, pf); break;
+        case 3: rows_block_avx512_3(j, m, n, pf); break;
+        case 2: rows_block_avx512_2(j, m, n, pf); break;
+        default: rows_block_avx512_1(j, m, n, pf); break;
+      }
+    }
+  }
+  for (; n < n1; ++n) {
+    const float* w = j->B + n * ld;
+    for (i64 m = 0; m < M; ++m) {
+      const float* a = j->A + m * j->lda;
+      __m512 c = _mm512_setzero_ps();
+      for (i64 k = 0; k < K16; k += 16) c = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(w + k), c);
+      if (tail) c = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + K16), _mm512_maskz_loadu_ps(tail, w + K16), c);
+      store_out(j, m, n, _mm512_reduce_add_ps(c));
+    }
+  }
 }
 
 /* VLLM_METAL_CPU_ISA, the cap on every CPU kernel of vllm-metal
@@ -136,7 +242,15 @@ static int avx512_allowed(void) {
 __attribute__((target("avx2,fma"))) static void few_rows_range(const FewRowsJob* j, i64 n0, i64 n1) {
   const i64 K = j->K, K8 = K & ~(i64)7, M4 = j->M & ~(i64)3;
   i64 n = n0;
-  if (j->M == 1 && avx512_allowed()) n = one_row_avx512(j, n0, n1);
+  if (avx512_allowed()) {
+    /* Every column, with the same bits for one row or eight. */
+    if (j->M == 1) {
+      one_row_avx512(j, n0, n1);
+    } else {
+      rows_avx512(j, n0, n1);
+    }
+    return;
+  }
   if (j->M == 1) {
     /* One row (decode at batch 1): four W rows at a time, four independent
      * FMA chains; each output's sums are the same as below. */

@@ -245,6 +245,46 @@ def test_few_row_kernel_bits_do_not_depend_on_the_threads(tmp_path):
             assert np.array_equal(results[0][key], other[key]), key
 
 
+_ROWS_SCRIPT = r"""
+import sys, numpy as np
+import vllm_metal.native.ops  # noqa: F401  (arms the shim before mlx.core)
+import mlx.core as mx
+from vllm_metal.native import fast_blas
+fast_blas.set_few_rows_min(1)
+rng = np.random.default_rng(5)
+k, n = 577, 1030  # K's tail; N: columns past the last block of four
+w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+x = rng.standard_normal((8, k)).astype(np.float32)
+before = fast_blas.shim_calls()["sgemm_few_rows"]
+alone = [np.array(mx.array(x[i:i + 1]) @ w.T)[0] for i in range(8)]
+differ = []
+for m in range(2, 9):
+    got = np.array(mx.array(x[:m]) @ w.T)
+    differ += [(m, i, float(np.abs(got[i] - alone[i]).max())) for i in range(m) if not np.array_equal(got[i], alone[i])]
+print(fast_blas.shim_calls()["sgemm_few_rows"] - before, differ)
+"""
+
+
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_few_row_kernel_row_bits_do_not_depend_on_the_row_count(isa):
+    """Decode's products at batch 1-8: a row's result has the same bits whatever the
+    batch (the one-row kernel's FMA chains and sums, on AVX-512 the 2-8-row blocks'
+    sixteen sums at once in reduce16_avx512's same tree), so a request's tokens do
+    not depend on how many others run beside it. In a fresh process per ISA (the cap
+    is read once)."""
+    if not fast_blas.few_rows_supported():
+        pytest.skip("this CPU has no AVX2/FMA: the few-row kernel does not run")
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_METAL_CPU_ISA"}
+    if isa:
+        env["VLLM_METAL_CPU_ISA"] = isa
+    out = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.strip().splitlines()[-1]
+    calls, differ = out.split(" ", 1)
+    assert int(calls) == 8 + 7 and differ == "[]", out
+
+
 def _openblas_timeout(env: dict) -> str:
     """In a fresh interpreter: numpy's OpenBLAS's worker spin, as the library reports it."""
     import subprocess
