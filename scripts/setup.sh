@@ -14,6 +14,9 @@ MODE=${1:-full}
 trap 'echo "setup.sh failed; free disk:" >&2; df -h . "${TMPDIR:-/tmp}" >&2' ERR
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No copy of each downloaded wheel in pip's cache (vLLM's alone is hundreds of MB): a fresh
+# machine's disk holds the installed set only; a re-run installs nothing anew.
+export PIP_NO_CACHE_DIR=1
 
 if [[ "$(uname -s)" == "Linux" ]]; then
   # Debian's OpenBLAS replaces the mlx-cpu wheel's reference BLAS (~50x
