@@ -35,12 +35,13 @@
  * OpenBLAS's sgemm pack W before multiplying and stream it at 3-15 GB/s, a
  * fraction of memory bandwidth, though every weight is used only M times.
  * Where the CPU has AVX2 and FMA, such a call runs the kernel of
- * blas_few_rows.c instead: W is read once, two rows at a time, each against all M rows of A
- * (which stay in cache), the columns split over a small pool of threads
- * (one per core, the caller included; set_threads). Each output is one dot
- * product of 8-lane partial sums in a fixed order, so it does not depend on
- * the threads or on the other rows of the call. One row has an AVX-512
- * path of its own, and one or two rows use both threads from 256 KiB of W:
+ * blas_few_rows.c instead: W is read once (AVX2: two rows at a time;
+ * AVX-512: sixteen rows at a time for one row of A, four for 2-8), each
+ * against all M rows of A (which stay in cache), the columns split over a
+ * small pool of threads (one per core, the caller included; set_threads).
+ * Each output is one dot product of 8-lane (AVX2) or 16-lane (AVX-512)
+ * partial sums in a fixed order, so it does not depend on the threads or on
+ * the other rows of the call. One or two rows use both threads from 256 KiB of W:
  * with W streamed from memory, as in a model's decode step, that beats
  * OpenBLAS's sgemv (a 30-layer chain of batch-1 products: 22-23 against
  * 24-26 ms), and it never collapses when another process wants a core, as
