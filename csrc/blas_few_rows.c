@@ -109,8 +109,9 @@ static FewRowsJob pool_job;
 /* Worker w's columns: even slices in whole multiples of 8 columns, so which
  * kernel path computes a column (AVX2: 8-row blocks, then 4, pairs, singles;
  * on AVX-512 every path sums a column the same way anyway) depends only on
- * N, never on the number of threads: the same bits with any pool size. (Handing out smaller chunks from a counter, so that a preempted
- * thread holds up only its chunk, measured ~10% slower at 8 rows when quiet;
+ * N, never on the number of threads: the same bits with any pool size.
+ * (Handing out smaller chunks from a counter, so that a preempted thread
+ * holds up only its chunk, measured ~10% slower at 8 rows when quiet;
  * docs/benchmarks.md#blas-shim.) */
 static void slice(int w, int workers, i64 N, i64* n0, i64* n1) {
   const i64 blocks = (N + 7) / 8;

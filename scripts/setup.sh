@@ -60,7 +60,7 @@ if [[ "$(uname -s)" == "Linux" && "$(uname -m)" == "x86_64" ]]; then
   "${PIP[@]}" --no-deps "mkl==$(pin mkl)"
   # The wheel's other threading layers, its ILP64 interface and its cluster
   # libraries (ScaLAPACK, BLACS, cluster FFT) are never loaded by that layer:
-  # ~150 MB of its 866 (tests/native/test_mkl_gemm.py runs on what is left).
+  # 145 MB of its 687 (tests/native/test_mkl_gemm.py runs on what is left).
   for lib in gnu_thread intel_thread tbb_thread intel_ilp64 scalapack_lp64 scalapack_ilp64 cdft_core \
              blacs_intelmpi_lp64 blacs_intelmpi_ilp64 blacs_openmpi_lp64 blacs_openmpi_ilp64; do
     rm -f .venv/lib/libmkl_"$lib".so.*

@@ -47,9 +47,10 @@ shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
 `status` says what happened (`vllm-metal doctor` prints `summary()`). macOS
 uses Accelerate/Metal and needs none of this.
 
-Few-row products (3 to 8 rows times a weight: a batch of decode rows) run
-the shim's own AVX2 kernel, which reads the weight once at close to memory
-bandwidth, on its own small thread pool (VLLM_METAL_CPU_THREADS, or the
+Few-row products (1 to 8 rows times a weight: decode rows) run the shim's
+own kernels (AVX2, and AVX-512 where the CPU has it), which read the weight
+once at close to memory bandwidth and give a row the same bits whatever the
+row count, on their own small thread pool (VLLM_METAL_CPU_THREADS, or the
 usable cores), where OpenBLAS packs the weight first (csrc/blas_few_rows.c).
 Products of 33 rows and more (prefill) go to Intel MKL on Intel CPUs, on the
 same pool (mkl_gemm.py, VLLM_METAL_SGEMM); `large` says what happened.
