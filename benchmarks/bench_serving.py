@@ -45,6 +45,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import convert_fp32  # noqa: E402
+import cpu_usage  # noqa: E402
+from cpu_usage import cpu_snapshot, foreign_cores  # noqa: E402,F401  (bench_lora, bench_images, ...)
 import roofline as roofline_mod  # noqa: E402
 import serving_results  # noqa: E402
 import sonnet_dataset  # noqa: E402
@@ -243,63 +245,6 @@ def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
             proc.wait()
 
 
-def _session_cpu_seconds(sid: int) -> float:
-    """CPU seconds used so far by the live processes of session `sid` (a server and its engine)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command name: state, ppid, pgrp, session, ...; utime, stime are 11 and 12.
-        if int(fields[3]) == sid:
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
-def session_cpu_by_process(sid: int) -> dict[str, float]:
-    """CPU seconds so far per live process of session `sid`, keyed 'comm:pid' (the
-    API server, vLLM's engine core 'VLLM::EngineCor...', its workers)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid:
-            out[f"{comm}:{stat.parent.name}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def cores_by_process(before: dict, after: dict, client_s: float, wall_s: float) -> dict[str, float]:
-    """Average cores each server process (and the benchmark client) used while it measured."""
-    cores = {name.rsplit(":", 1)[0]: (after[name] - before.get(name, 0.0)) / max(wall_s, 1e-9)
-             for name in after}
-    cores["client (vllm bench serve)"] = client_s / max(wall_s, 1e-9)
-    return {k: round(v, 3) for k, v in sorted(cores.items(), key=lambda kv: -kv[1])}
-
-
-def cpu_snapshot(server_sid: int) -> tuple[float, float, float]:
-    """(machine busy CPU s, server session CPU s, this process + its waited children CPU s)."""
-    try:
-        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0, 0.0, 0.0
-    values = [int(v) for v in cpu]
-    busy = (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-    t = os.times()
-    return busy, _session_cpu_seconds(server_sid), t.user + t.system + t.children_user + t.children_system
-
-
-def foreign_cores(before: tuple, after: tuple, wall_s: float) -> float:
-    """Average cores used by processes other than this benchmark while it measured."""
-    ours = (after[1] - before[1]) + (after[2] - before[2])
-    return max(after[0] - before[0] - ours, 0.0) / max(wall_s, 1e-9)
-
-
 def complete(base: str, model: str, prompt: str, max_tokens: int, extra: dict, timeout: float = 600) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
     req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
@@ -337,6 +282,30 @@ def bench_command(base: str, model: str, dataset: Path, num_prompts: int, concur
     return cmd
 
 
+def run_client(bench: list[str], client_log: Path, result: Path, server_sid: int, timeout: float) -> dict:
+    """Runs `vllm bench serve`; returns its results with the CPU each process used over the
+    window the client measured (cpu_usage.py: not the client's start-up)."""
+    sampler = cpu_usage.Sampler(server_sid)
+    with open(client_log, "w") as clog:
+        client = subprocess.Popen(bench, env=clean_env({}), stdout=clog, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        sampler.start(client_sid=client.pid)
+        try:
+            rc = client.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+            raise
+        finally:
+            sampler.stop()
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, bench)
+    out = serving_results.load_bench_result(result)
+    end = result.stat().st_mtime  # written as the client's clock stopped
+    usage = sampler.window(end - out["duration_s"], end)
+    return {**out, "foreign_cores": usage["foreign_cores"], "cores_by_process": usage["cores_by_process"]}
+
+
 def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, model_dir: Path,
             dataset: Path, warmup: list, run_dir: Path) -> dict:
     port = free_port()
@@ -367,16 +336,8 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
             client_log = run_dir / "logs" / f"{tag}.client.log"
             spec_before = spec_decode_counters(base) if getattr(args, "spec_metrics", False) and \
                 SYSTEMS[system].base != "mlx-lm" else None  # (mlx_lm.server has no /metrics)
-            before, t0 = cpu_snapshot(proc.pid), time.monotonic()
-            per_process = session_cpu_by_process(proc.pid)
-            with open(client_log, "w") as clog:
-                subprocess.run(bench, env=clean_env({}), stdout=clog, stderr=subprocess.STDOUT,
-                               check=True, timeout=args.run_timeout)
-            after, wall = cpu_snapshot(proc.pid), time.monotonic() - t0
-            record["foreign_cores"] = foreign_cores(before, after, wall)
-            record["cores_by_process"] = cores_by_process(per_process, session_cpu_by_process(proc.pid),
-                                                          after[2] - before[2], wall)
-            record.update(serving_results.load_bench_result(run_dir / "raw" / result_file))
+            record.update(run_client(bench, client_log, run_dir / "raw" / result_file, proc.pid,
+                                    args.run_timeout))
             if spec_before is not None:  # the client's requests only (warm-up excluded)
                 after_counts = spec_decode_counters(base)
                 record["spec_decode"] = {k: after_counts.get(k, 0.0) - spec_before.get(k, 0.0) for k in after_counts}
