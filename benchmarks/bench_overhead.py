@@ -13,6 +13,12 @@ backend in one run:
 
     .venv/bin/python benchmarks/bench_overhead.py            # ~12 min here; rewrites docs block
     .venv/bin/python benchmarks/bench_overhead.py --no-docs
+    .venv/bin/python benchmarks/bench_overhead.py --shape llama-null --concurrency 64 \
+        --num-prompts 256 --phase-concurrency 64     # the serving ceiling (results/overhead-null)
+
+`--shape llama-null` (1 layer of hidden 32, the same vocabulary and tokenizer)
+measures what both systems reach when the model costs next to nothing: the
+engine, vLLM's API server and the benchmark client sharing the two cores.
 
 Results: benchmarks/results/overhead/{serving.json,phases.json,overhead.md}
 and the generated block of docs/benchmarks.md (#engine-overhead).
@@ -60,10 +66,17 @@ def phases(system: str, model: str, concurrency: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def describe(shape: str) -> str:
+    """`llama-tiny` (4 layers, hidden 128, 49,152-token vocabulary), from the shape's config."""
+    c = random_model.SHAPES[shape]
+    return (f"`{shape}` ({c['num_hidden_layers']} layer{'s' * (c['num_hidden_layers'] > 1)}, hidden "
+            f"{c['hidden_size']}, {c['vocab_size']:,}-token vocabulary)")
+
+
 def render(serving: dict, phase_runs: list[dict], meta: dict) -> str:
     runs = {(r["system"], r["concurrency"]): r for r in serving["runs"]}
     lines = [f"Run {meta['date']} (vllm-metal at `{meta['commit']}`) on {meta['cpu']} ({meta['cores']} cores, "
-             f"{meta['isa']}), model `llama-tiny` (4 layers, hidden 128, 49,152-token vocabulary) in float32; "
+             f"{meta['isa']}), model {describe(meta.get('shape', 'llama-tiny'))} in float32; "
              "64-token prompts, 64 greedy output tokens, EOS ignored.", "",
              "| conc. | vllm-metal out tok/s | vLLM CPU out tok/s | ratio | vllm-metal TPOT p50 ms | "
              "vLLM CPU TPOT p50 ms | foreign cores |", "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -96,19 +109,23 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--num-prompts", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--phase-concurrency", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--results-dir", type=Path, default=HERE / "results" / "overhead")
+    ap.add_argument("--shape", default="llama-tiny", choices=("llama-tiny", "llama-null"),
+                    help="llama-null: the serving ceiling (a forward as close to free as both engines allow); "
+                         "its results go to results/overhead-null and never into the docs' generated block")
+    ap.add_argument("--results-dir", type=Path, default=None,
+                    help="default: benchmarks/results/overhead (llama-tiny) or overhead-null")
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args(argv)
-    out = args.results_dir
+    out = args.results_dir or HERE / "results" / ("overhead" if args.shape == "llama-tiny" else "overhead-null")
     out.mkdir(parents=True, exist_ok=True)
-    model = random_model.build_named("llama-tiny", bench_serving.BENCH_HOME / "models" / "llama-tiny")
+    model = random_model.build_named(args.shape, bench_serving.BENCH_HOME / "models" / args.shape)
     subprocess.run([sys.executable, str(HERE / "bench_serving.py"), "--model", model,
                     "--systems", "vllm-metal,vllm-cpu", "--concurrency", *map(str, args.concurrency),
                     "--num-prompts", *map(str, args.num_prompts), "--input-len", "64", "--output-len", "64",
                     "--prefix-len", "0", "--skip-roofline", "--no-docs", "--results-dir", str(out)], check=True)
     serving = json.loads((out / "serving.json").read_text())
-    fp32 = serving["meta"].get("model_dir") or str(Path(model).parent / "llama-tiny-fp32")
+    fp32 = serving["meta"].get("model_dir") or str(Path(model).parent / f"{args.shape}-fp32")
     phase_runs = []
     for c in args.phase_concurrency:
         for system in ("vllm-metal", "vllm-cpu"):
@@ -120,12 +137,12 @@ def main(argv=None) -> None:
                            capture_output=True, text=True).stdout.strip()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit + ("+dirty" if dirty else ""), "cpu": serving["meta"].get("cpu", platform.processor()),
-            "cores": os.cpu_count(), "isa": isa()}
+            "cores": os.cpu_count(), "isa": isa(), "shape": args.shape}
     (out / "phases.json").write_text(json.dumps({"meta": meta, "runs": phase_runs}, indent=1) + "\n")
     text = render(serving, phase_runs, meta)
     (out / "overhead.md").write_text(text + "\n")
     print(text)
-    if not args.no_docs:
+    if not args.no_docs and args.shape == "llama-tiny":
         doc = args.docs.read_text()
         if BEGIN in doc and END in doc:
             head, rest = doc.split(BEGIN, 1)

@@ -36,6 +36,15 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=4096, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
         vocab_size=49152, bos_token_id=1, eos_token_id=2, torch_dtype="float32"),
+    # benchmarks/bench_overhead.py --shape llama-null: the serving ceiling, a llama whose forward
+    # is as close to free as both engines allow (1 layer of hidden 32, one head of 32; the same
+    # vocabulary and tokenizer, so detokenizing and streaming cost what they cost for any model):
+    # what a step costs there is the engine, vLLM's API server and the client alone.
+    "llama-null": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=4096, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=49152, bos_token_id=1, eos_token_id=2, torch_dtype="float32"),
     # benchmarks/bench_pipeline.py: a llama of ~0.25B parameters (16 layers of
     # hidden 1024, GQA 16/4), about 1 GiB of float32 weights: one decode step
     # reads it all, so compute is far from negligible next to the links.
