@@ -13,7 +13,9 @@ an Intel Xeon (AVX-512): 364-386 GFLOP/s against 336-349 for numpy's OpenBLAS
 
 - `auto` (default): MKL where the CPU is Intel's and the `mkl` wheel is
   installed (`scripts/setup.sh` installs it on Linux x86-64); OpenBLAS
-  otherwise. On AMD CPUs MKL is not measured here, so it is not chosen.
+  otherwise. On AMD CPUs it is not chosen: on a 2-core AMD EPYC (Zen 4) VM
+  SmolLM2's 1024-token prefill chain took 1,381-2,391 ms on MKL against
+  1,177-1,230 ms on OpenBLAS (2026-11-28, benchmarks/results/prefill_gemm_amd.json).
 - `mkl`: MKL on any x86-64 CPU; a missing library is reported by the doctor
   and the start-up line, and OpenBLAS does the work.
 - `openblas`: never MKL.
