@@ -14,7 +14,7 @@ backend in one run:
     .venv/bin/python benchmarks/bench_overhead.py            # ~12 min here; rewrites docs block
     .venv/bin/python benchmarks/bench_overhead.py --no-docs
     .venv/bin/python benchmarks/bench_overhead.py --shape llama-null --concurrency 64 \
-        --num-prompts 256 --phase-concurrency 64     # the serving ceiling (results/overhead-null)
+        --num-prompts 1024 --phase-concurrency 64    # the serving ceiling (results/overhead-null)
 
 `--shape llama-null` (1 layer of hidden 32, the same vocabulary and tokenizer)
 measures what both systems reach when the model costs next to nothing: the

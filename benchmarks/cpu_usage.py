@@ -2,7 +2,7 @@
 
 `vllm bench serve` spends seconds importing vLLM and torch and loading its dataset
 before its clock starts, and a small model's whole benchmark can be shorter than that
-(bench_overhead.py: 2.5-16 s). Counters read before and after the client process
+(bench_overhead.py: 2-22 s). Counters read before and after the client process
 would average the servers' work over the client's idle start-up as well: on
 2026-11-28 the tiny model's concurrency-64 run measured 6.6 s inside a client
 process that lived several times longer, and its "cores per process" read as if
