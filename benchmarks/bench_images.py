@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import bench_serving as bs  # noqa: E402
+import cpu_usage  # noqa: E402
 
 MLX_VLM_SERVER = bs.BENCH_HOME / "venvs" / "mlx-vlm" / "bin" / "mlx_vlm.server"
 TORCHVISION_LIB = bs.BENCH_HOME / "lib" / "torchvision"  # setup_peers.sh: vLLM CPU's Qwen-VL processor needs it
@@ -129,7 +130,7 @@ def run_case(base: str, model: str, side: int, concurrency: int, num_requests: i
                 i = pending.pop(0)
             results[i] = chat(base, model, urls[i], text, max_tokens, extra)
 
-    before, start = bs.cpu_snapshot(server_sid), time.monotonic()
+    before, start = cpu_usage.cpu_snapshot(server_sid), time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
@@ -142,7 +143,7 @@ def run_case(base: str, model: str, side: int, concurrency: int, num_requests: i
     return {"image": f"{side}x{side}", "concurrency": concurrency, "requests": num_requests, "wall_s": wall,
             "output_tokens": tokens, "output_tok_s": tokens / wall, "ttft_p50_s": statistics.median(ttft),
             "ttft_max_s": max(ttft), "tpot_p50_ms": 1000 * statistics.median(tpot),
-            "foreign_cores": bs.foreign_cores(before, bs.cpu_snapshot(server_sid), wall), "per_request": results}
+            "foreign_cores": cpu_usage.foreign_cores(before, cpu_usage.cpu_snapshot(server_sid), wall), "per_request": results}
 
 
 def run_system(system: str, args, text: str, log_dir: Path) -> dict:

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_serving as bs  # noqa: E402
+import cpu_usage  # noqa: E402
 import convert_fp32  # noqa: E402
 import serving_results  # noqa: E402
 import sonnet_dataset  # noqa: E402
@@ -100,11 +101,11 @@ def run_one(system: str, mode: str, concurrency: int, num_prompts: int, args, mo
                 bench += ["--lora-modules", *names]
             record["bench_command"] = shlex.join(bench)
             client_log = run_dir / "logs" / f"{tag}.client.log"
-            before, t0 = bs.cpu_snapshot(proc.pid), time.monotonic()
+            before, t0 = cpu_usage.cpu_snapshot(proc.pid), time.monotonic()
             with open(client_log, "w") as clog:
                 subprocess.run(bench, env=bs.clean_env({}), stdout=clog, stderr=subprocess.STDOUT, check=True,
                                timeout=args.run_timeout)
-            record["foreign_cores"] = bs.foreign_cores(before, bs.cpu_snapshot(proc.pid), time.monotonic() - t0)
+            record["foreign_cores"] = cpu_usage.foreign_cores(before, cpu_usage.cpu_snapshot(proc.pid), time.monotonic() - t0)
             record.update(serving_results.load_bench_result(run_dir / "raw" / result_file))
         except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as e:
             record["error"] = f"{type(e).__name__}: {e}"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import cpu_snapshot, foreign_cores  # noqa: E402
+from cpu_usage import cpu_snapshot, foreign_cores  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # (K, N)
 LAYERS = 30

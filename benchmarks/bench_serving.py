@@ -46,7 +46,6 @@ sys.path.insert(0, str(HERE))
 
 import convert_fp32  # noqa: E402
 import cpu_usage  # noqa: E402
-from cpu_usage import cpu_snapshot, foreign_cores  # noqa: E402,F401  (bench_lora, bench_images, ...)
 import roofline as roofline_mod  # noqa: E402
 import serving_results  # noqa: E402
 import sonnet_dataset  # noqa: E402

@@ -4,9 +4,8 @@
 before its clock starts, and a small model's whole benchmark can be shorter than that
 (bench_overhead.py: 2-22 s). Counters read before and after the client process
 would average the servers' work over the client's idle start-up as well: on
-2026-11-28 the tiny model's concurrency-64 run measured 6.6 s inside a client
-process that lived several times longer, and its "cores per process" read as if
-nobody used the two cores. A `Sampler` reads the counters every 0.2 s while the
+2026-11-28 the tiny model's 6 s concurrency-64 benchmark read 0.39 cores for our
+engine that way, 1.20 over the window below (docs/benchmarks.md#engine-overhead). A `Sampler` reads the counters every 0.2 s while the
 client runs; `window(start, end)` interpolates them at the benchmark's own start and
 end (the end: when the client wrote its result file; the start: that minus the
 duration it reports).

@@ -58,21 +58,6 @@ def test_bench_command_uses_vllms_client_on_the_custom_dataset(tmp_path):
     assert json.loads(cmd[cmd.index("--extra-body") + 1]) == {"logprobs": False}
 
 
-def test_foreign_cpu_is_machine_busy_time_minus_ours():
-    before, after = (100.0, 10.0, 5.0), (130.0, 25.0, 7.0)  # 30 s busy, 15 + 2 s of it ours
-    assert bs.foreign_cores(before, after, wall_s=13.0) == 1.0
-    assert bs.foreign_cores(after, after, wall_s=1.0) == 0.0
-
-
-def test_cpu_snapshot_reads_this_session():
-    import os
-
-    sum(i * i for i in range(200_000))  # burn a little CPU in this process
-    busy, session, own = bs.cpu_snapshot(os.getsid(0))
-    assert busy > 0 and own > 0
-    assert session > 0  # this test process is in its own session's process list
-
-
 def test_cap_isa_makes_every_system_run_its_avx2_code(tmp_path, monkeypatch):
     """--cap-isa avx2 (an AVX2-only host, on an AVX-512 one): each system's environment
     names its AVX2 code, and vLLM CPU's sitecustomize answers torch's AVX-512 questions no."""

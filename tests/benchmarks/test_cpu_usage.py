@@ -60,3 +60,18 @@ def test_sampler_sees_a_real_client_sessions_cpu_and_keeps_it_after_the_client_e
     client = usage["cores_by_process"][cpu_usage.CLIENT]
     assert client * (time.time() - start + 1.0) >= 0.2  # most of its 0.3 CPU seconds, read before it exited
     assert all(b[cpu_usage.CLIENT] >= a[cpu_usage.CLIENT] for a, b in zip(sampler.rows, sampler.rows[1:]))
+
+
+def test_foreign_cpu_is_machine_busy_time_minus_ours():
+    before, after = (100.0, 10.0, 5.0), (130.0, 25.0, 7.0)  # 30 s busy, 15 + 2 s of it ours
+    assert cpu_usage.foreign_cores(before, after, wall_s=13.0) == 1.0
+    assert cpu_usage.foreign_cores(after, after, wall_s=1.0) == 0.0
+
+
+def test_cpu_snapshot_reads_this_session():
+    import os
+
+    sum(i * i for i in range(200_000))  # burn a little CPU in this process
+    busy, session, own = cpu_usage.cpu_snapshot(os.getsid(0))
+    assert busy > 0 and own > 0
+    assert session > 0  # this test process is in its own session's process list
