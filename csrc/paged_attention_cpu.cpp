@@ -15,6 +15,7 @@
 #include "cpu/paged_attention_kernel.h"
 #include "cpu/paged_attention_tiles.h"
 #include "paged_attention.h"
+#include "paged_attention_batch.h"
 
 namespace vllm_metal {
 
@@ -22,9 +23,7 @@ using cpu::Geometry;
 using cpu::KernelArgs;
 using cpu::KernelDtype;
 
-namespace {
-
-std::vector<int> read_ints(const mx::array& a) {
+std::vector<int> read_index_ints(const mx::array& a) {
   std::vector<int> v(a.size());
   const int32_t* p = a.data<int32_t>();
   const int64_t st = a.strides(0);
@@ -34,14 +33,11 @@ std::vector<int> read_ints(const mx::array& a) {
   return v;
 }
 
-[[noreturn]] void fail_at_eval(const std::string& msg) {
-  throw std::runtime_error("[paged_attention] " + msg);
-}
-
-// Data-dependent checks: everything a kernel would otherwise read out of
-// bounds. Runs before any output is written.
-void validate_batch(const Geometry& g, const std::vector<int>& seq_lens,
-                    const std::vector<int>& cu, const mx::array& block_tables) {
+void validate_attention_batch(const Geometry& g, const std::vector<int>& seq_lens,
+                              const std::vector<int>& cu, const mx::array& block_tables, const char* op) {
+  auto fail_at_eval = [op](const std::string& msg) {
+    throw std::runtime_error(std::string("[") + op + "] " + msg);
+  };
   std::ostringstream os;
   if (cu[0] != 0 || cu[g.num_seqs] != g.num_tokens) {
     os << "cu_seqlens_q must start at 0 and end at num_tokens = " << g.num_tokens
@@ -77,8 +73,6 @@ void validate_batch(const Geometry& g, const std::vector<int>& seq_lens,
   }
 }
 
-} // namespace
-
 int& cpu::prefill_rows_override() {
   static int rows = 0;
   return rows;
@@ -89,7 +83,7 @@ void set_cpu_prefill_rows_override(int rows) {
 }
 
 // The fastest variant this CPU can run.
-void (*select_kernel())(const KernelArgs&) {
+void (*select_attention_kernel())(const KernelArgs&) {
 #if defined(__x86_64__) || defined(_M_X64)
   return cpu::pick_variant(&cpu::paged_attention_generic, &cpu::paged_attention_avx2,
                            &cpu::paged_attention_avx512);
@@ -127,7 +121,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   for (int i = 0; i < 2; ++i) g.bt_st[i] = inputs[3].strides(i);
 
   KernelDtype dtype = cpu::kernel_dtype(out.dtype());
-  static const auto kernel = select_kernel();
+  static const auto kernel = select_attention_kernel();
 
   // The index data is validated here, on the thread running mx.eval, so a
   // bad block id or length raises before anything is dispatched. It must not
@@ -144,9 +138,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   if (!ready) {
     mx::synchronize(stream());
   }
-  auto seq_lens = read_ints(inputs[4]);
-  auto cu_seqlens_q = read_ints(inputs[5]);
-  validate_batch(g, seq_lens, cu_seqlens_q, inputs[3]);
+  auto seq_lens = read_index_ints(inputs[4]);
+  auto cu_seqlens_q = read_index_ints(inputs[5]);
+  validate_attention_batch(g, seq_lens, cu_seqlens_q, inputs[3], "paged_attention");
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());

@@ -76,6 +76,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "and write K/V into the cache as one primitive (RopeWriteKV) instead of five operations: "
         "'1' (default) or '0'.",
     ),
+    "VLLM_METAL_FUSED_LAYER": (
+        "1",
+        "Where the fused projections (VLLM_METAL_FUSE_PROJECTIONS) and the CPU norm/RoPE "
+        "primitives (VLLM_METAL_CPU_NORM_ROPE) both apply, run each llama-shaped decoder block "
+        "(proven at load) as one DecoderLayer primitive instead of ~36 graph nodes: '1' "
+        "(default) or '0'.",
+    ),
     "VLLM_METAL_CPU_NORM_ROPE": (
         "auto",
         "RMSNorm and RoPE through vllm-metal's primitives (MLX's CPU rms_norm and rope are "

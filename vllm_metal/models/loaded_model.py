@@ -47,6 +47,8 @@ class LoadedModel:
     quantized: bool  # weights still MLX-quantized after loading
     # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
     fused: dict = field(default_factory=dict)
+    # What models/fused_layer.py did: {"layers": blocks run as one primitive, "classes": their classes}; {} when off.
+    fused_layers: dict = field(default_factory=dict)
     # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
     norm_rope: dict = field(default_factory=dict)
     # Pipeline parallel (distributed/pipeline.py): the layers this rank runs
@@ -97,6 +99,9 @@ class LoadedModel:
                          f"{self.owned.start}-{self.owned.stop - 1} of {self.num_layers}")
         if self.fused:
             notes.append("fused projections: {qkv} q/k/v, {gate_up} gate/up, {swiglu} SwiGLU".format(**self.fused))
+        if self.fused_layers:
+            notes.append("decoder layers as one primitive: {layers} of {n}".format(n=self.num_layers,
+                                                                                  **self.fused_layers))
         if self.norm_rope:
             notes.append("CPU primitives: {rms_norm} RMSNorms, RoPE of {rope} layers from {rope_tables} "
                          "table(s) a step".format(**self.norm_rope))

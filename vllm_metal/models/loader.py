@@ -19,6 +19,7 @@ from vllm_metal.distributed.plan import ParallelPlan  # noqa: E402
 from vllm_metal.formats.checkpoint import build_model, open_checkpoint  # noqa: E402
 from vllm_metal.models.attention_adapter import PagedAttentionLayer, check_rope  # noqa: E402
 from vllm_metal.models.cpu_norm_rope import use_cpu_norm_rope  # noqa: E402
+from vllm_metal.models.fused_layer import fuse_decoder_layers, fused_layers_enabled  # noqa: E402
 from vllm_metal.models.fused_projections import fuse_projections  # noqa: E402
 from vllm_metal.models.gated_delta import GatedDeltaLayer  # noqa: E402
 from vllm_metal.models.loaded_model import LayerKV, LoadedModel, decoder_owner  # noqa: E402,F401  (re-exported)
@@ -156,6 +157,7 @@ def prepare_model(model: nn.Module, config: dict, dtype: str = "float32", dequan
     mine = [layers[i] for i in owned]
     fused = fuse_projections(model, mine, PagedAttentionLayer) if fuse and materialize else {}
     norm_rope_done = use_cpu_norm_rope(model, mine, PagedAttentionLayer) if norm_rope and materialize else {}
+    layers_done = fuse_decoder_layers(mine) if fused_layers_enabled() and fused and norm_rope_done else {}
     # A middle stage reads only its layers; the embedding and head load on
     # the first and last (lazily elsewhere: loaded if ever used).
     resident = model.parameters() if first or last else [layer.parameters() for layer in mine]
@@ -164,7 +166,8 @@ def prepare_model(model: nn.Module, config: dict, dtype: str = "float32", dequan
     staged = parallel is not None and parallel.pp > 1
     return LoadedModel(model=model, config=config, dtype=DTYPES[dtype], num_layers=len(layers),
                        layer_kv=layer_kv, sliding_windows=windows, quantized=_has_quantized(model),
-                       fused=fused, norm_rope=norm_rope_done, owned=owned if staged else None, last_stage=last,
+                       fused=fused, norm_rope=norm_rope_done, fused_layers=layers_done,
+                       owned=owned if staged else None, last_stage=last,
                        transport=parallel.transport if staged else None, tp_projections=tp_done,
                        weights_bytes=sum(v.nbytes for _, v in tree_flatten(resident)), head_weights=head_weights)
 
