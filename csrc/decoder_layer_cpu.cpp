@@ -120,15 +120,7 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   bool copy[2] = {false, false};
-  for (int i = 0; i < 2; ++i) {
-    const auto& in = inputs[kKeyCache + i];
-    if (in.flags().row_contiguous && in.is_donatable()) {
-      outputs[1 + i].copy_shared_buffer(in);
-    } else {
-      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
-      copy[i] = true;
-    }
-  }
+  take_cache_buffers(inputs, kKeyCache, outputs, copy);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 
 namespace vllm_metal {
@@ -69,6 +70,24 @@ inline void release_sibling_inputs(const std::vector<mx::array>& inputs, std::ve
   for (auto& o : outputs) {
     if (&o.inputs() != &inputs) {
       o.inputs().clear();
+    }
+  }
+}
+
+// outputs[1] and outputs[2] (a primitive's updated key and value caches)
+// take the buffers of inputs[first] and inputs[first + 1] where MLX lets
+// them be donated (row-contiguous, nothing else holds them: written in
+// place), else get fresh ones; copy[i] then says the task must first copy
+// the input there (copy_4d_any_layout).
+inline void take_cache_buffers(const std::vector<mx::array>& inputs, int first, std::vector<mx::array>& outputs,
+                               bool (&copy)[2]) {
+  for (int i = 0; i < 2; ++i) {
+    const auto& in = inputs[first + i];
+    copy[i] = !(in.flags().row_contiguous && in.is_donatable());
+    if (copy[i]) {
+      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
+    } else {
+      outputs[1 + i].copy_shared_buffer(in);
     }
   }
 }

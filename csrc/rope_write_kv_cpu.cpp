@@ -26,15 +26,7 @@ void RopeWriteKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   auto& q_out = outputs[0];
   q_out.set_data(mx::allocator::malloc(q_out.nbytes()));
   bool copy[2] = {false, false};
-  for (int i = 0; i < 2; ++i) {
-    const auto& in = inputs[kKeyCache + i];
-    if (in.flags().row_contiguous && in.is_donatable()) {
-      outputs[1 + i].copy_shared_buffer(in);
-    } else {
-      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
-      copy[i] = true;
-    }
-  }
+  take_cache_buffers(inputs, kKeyCache, outputs, copy);
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& kc = inputs[kKeyCache];
