@@ -178,11 +178,18 @@ def cpu_auto_switch(name: str, device: str) -> bool:
     choice = (get(name) or "auto").strip().lower()
     if choice == "auto":
         return device == "cpu"
+    return strict_switch(name, choice, "'auto', '1' or '0'")
+
+
+def strict_switch(name: str, value: str | None = None, allowed: str = "'1' or '0'") -> bool:
+    """An on/off variable (`value`, else its setting): '1' (true, yes, on) or
+    '0' (false, no, off); anything else is refused, not ignored."""
+    choice = ((get(name) if value is None else value) or "").strip().lower()
     if choice in ("1", "true", "yes", "on"):
         return True
     if choice in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={choice!r}: use 'auto', '1' or '0'")
+    raise ValueError(f"{name}={choice!r}: use {allowed}")
 
 
 CPU_ISAS = ("generic", "avx2", "avx512")

@@ -63,7 +63,7 @@ def test_every_layer_of_the_embedded_model_is_one_primitive_with_the_same_bits(m
     plain, fused = load(model_dir, monkeypatch, "0"), load(model_dir, monkeypatch, "1")
     assert len(primitive_calls) == 4  # the load-time probe: two scales, a prefill and a decode each
     primitive_calls.clear()
-    assert plain.fused_layers == {} and fused.fused_layers == {"layers": 30, "classes": 1}
+    assert plain.fused_layers == {} and fused.fused_layers == {"layers": 30}
     assert "decoder layers as one primitive: 30 of 30" in fused.load_notes(None)
     block = fused.model.model.layers[0]
     assert type(block).__name__ == "FusedTransformerBlock" and isinstance(block, llama.TransformerBlock)
@@ -126,7 +126,7 @@ def test_the_probe_refuses_a_block_that_is_not_the_formula(model_dir, monkeypatc
     lm = load(model_dir, monkeypatch, "0")
     layers = lm.model.model.layers
     layers[3].__class__ = HalfResidual
-    assert fused_layer.fuse_decoder_layers(layers) == {"layers": 29, "classes": 1}
+    assert fused_layer.fuse_decoder_layers(layers) == {"layers": 29}
     assert type(layers[3]) is HalfResidual and type(layers[2]).__name__ == "FusedTransformerBlock"
     assert fused_layer.static_plan(layers[3]) is not None  # its pieces are fusable: the probe said no
     # Pieces the primitive does not do are refused before any probe.

@@ -154,13 +154,22 @@ def test_caches_written_in_place_and_a_kept_cache_untouched(rng):
     assert not np.array_equal(np.array(kc3), before)
 
 
-def test_the_blas_it_calls_is_the_one_mlx_binds():
+def test_the_blas_it_calls_is_the_one_mlx_binds(rng):
+    """Its products go through the symbol MLX's own matmuls call: with the
+    BLAS shim loaded, the shim counts the layer's four products."""
     from vllm_metal.native import fast_blas
 
     path = ops._ext.decoder_layer_blas()
     assert path, "no cblas_sgemm found"
-    if fast_blas.preload()[0] is not None and "shim" in fast_blas.preload()[1]:
-        assert path.endswith("libvllm_metal_blas_shim.so")
+    before = fast_blas.shim_calls()
+    if before is None:
+        pytest.skip("the BLAS shim is not loaded here: nothing counts the calls")
+    assert path.endswith("libvllm_metal_blas_shim.so")
+    args, params = random_layer(rng, tokens_per_seq=[1], context_lens=[5])
+    mx.eval(*decoder_layer(**args, **params))
+    after = fast_blas.shim_calls()
+    calls = [k for k in after if k != "few_rows_taken_over"]  # (slices, not calls)
+    assert sum(after[k] - before[k] for k in calls) == 4
 
 
 BAD = {
@@ -220,10 +229,14 @@ EVAL_BAD = {
 def test_bad_index_data_raises_at_eval_and_the_next_step_runs(rng, case):
     args, params = random_layer(rng, tokens_per_seq=[3, 1], context_lens=[3, 20])
     change, message = EVAL_BAD[case]
+    caches = [np.array(args["key_cache"]), np.array(args["value_cache"])]
     for _ in range(12):  # more failed evaluations than MLX 0.32's leaked-task limit (~10) would allow
         out, kc, vc = decoder_layer(**change(args), **params)
         with pytest.raises(RuntimeError, match=r"\[decoder_layer\] .*" + message):
             mx.eval(out, kc, vc)
+    # Nothing was written: the checks run before any output or cache buffer is taken.
+    assert np.array_equal(np.array(args["key_cache"]), caches[0])
+    assert np.array_equal(np.array(args["value_cache"]), caches[1])
     want = layer_f64(args, params)[0]
     out, _, _ = decoder_layer(**args, **params)
     np.testing.assert_allclose(f64(out), want, rtol=2e-4, atol=2e-4)

@@ -218,35 +218,27 @@ def computes_formula(block, plan: LayerPlan) -> bool:
 
 def fuse_decoder_layers(layers: list) -> dict[str, int]:
     """Turns every block proven to compute the formula into its fused class.
-    Returns {"layers": blocks fused, "classes": distinct block classes}."""
+    Returns {"layers": blocks fused}."""
     proven: dict[tuple, bool] = {}
-    fused, classes = 0, set()
+    fused = 0
     for block in layers:
         plan = static_plan(block)
         if plan is None:
             continue
+        object.__setattr__(block, "_fused_parts", (_parts(block), block.self_attn._names["o_proj"]))
         attn = block.self_attn
         key = (type(block), type(attn.inner), type(block.mlp.inner), plan, attn.rope_plan.key)
         if key not in proven:
-            object.__setattr__(block, "_fused_parts", (_parts(block), block.self_attn._names["o_proj"]))
             proven[key] = computes_formula(block, plan)
-        if not proven[key]:
-            continue
-        object.__setattr__(block, "_layer_plan", plan)
-        object.__setattr__(block, "_fused_parts", (_parts(block), block.self_attn._names["o_proj"]))
-        block.__class__ = _fused_class(type(block))
-        fused += 1
-        classes.add(key[0])
-    return {"layers": fused, "classes": len(classes)}
+        if proven[key]:
+            object.__setattr__(block, "_layer_plan", plan)
+            block.__class__ = _fused_class(type(block))
+            fused += 1
+    return {"layers": fused}
 
 
 def fused_layers_enabled() -> bool:
     """VLLM_METAL_FUSED_LAYER: applies where the fused projections and the CPU
     norm/RoPE primitives do (MLX's CPU device by default); a value it does
     not know is refused, not ignored."""
-    choice = (envs.get("VLLM_METAL_FUSED_LAYER") or "1").strip().lower()
-    if choice in ("1", "true", "yes", "on"):
-        return True
-    if choice in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"VLLM_METAL_FUSED_LAYER={choice!r}: use '1' or '0'")
+    return envs.strict_switch("VLLM_METAL_FUSED_LAYER")

@@ -47,7 +47,7 @@ class LoadedModel:
     quantized: bool  # weights still MLX-quantized after loading
     # What models/fused_projections.py did: {"qkv": layers, "gate_up": layers, "swiglu": layers}; {} when off.
     fused: dict = field(default_factory=dict)
-    # What models/fused_layer.py did: {"layers": blocks run as one primitive, "classes": their classes}; {} when off.
+    # What models/fused_layer.py did: {"layers": blocks run as one primitive}; {} when off.
     fused_layers: dict = field(default_factory=dict)
     # What models/cpu_norm_rope.py did: {"rms_norm": modules, "rope": layers, "rope_tables": n}; {} when off.
     norm_rope: dict = field(default_factory=dict)
