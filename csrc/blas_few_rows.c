@@ -1,5 +1,5 @@
 /* The BLAS shim's few-row kernel (blas_shim.c sends it row-major
- * x[M,K] @ W[N,K]^T with 1..8 rows): W read once, two rows at a time against
+ * x[M,K] @ W[N,K]^T with 1..32 rows): W read once, two rows at a time against
  * all M rows of x (in cache), 4 x 2 outputs in AVX2 registers, the columns
  * split over a small pthread pool (one thread per usable core, the caller
  * included; set_threads), restarted in a fork's child. Each output is one
@@ -222,6 +222,14 @@ int few_rows_cpu_supported(void) {
 
 /* 1 when this CPU can run the few-row kernel (AVX2 and FMA). */
 EXPORT int vllm_metal_blas_shim_few_rows_supported(void) { return few_rows_cpu_supported(); }
+
+int few_rows_auto_max(void) {
+#if defined(__x86_64__)
+  return !few_rows_cpu_supported() ? 0 : avx512_allowed() ? 32 : 16;
+#else
+  return 0;
+#endif
+}
 
 
 /* Runs `job` split over the pool (want_pool, and more than one thread) or on

@@ -11,6 +11,12 @@ typedef int64_t i64;
 /* 1 when this CPU runs the kernel (AVX2 and FMA). */
 int few_rows_cpu_supported(void);
 
+/* The most rows sent to the kernel by default (few_rows_max -1): 32 where its
+ * AVX-512 path runs, 16 on its AVX2 path, 0 where it does not run. Measured
+ * in docs/benchmarks.md#blas-shim: from there OpenBLAS's packed sgemm is as
+ * fast or faster. */
+int few_rows_auto_max(void);
+
 /* Row-major C[M,N] = alpha A[M,K] B[N,K]^T + beta C (beta 0: C not read),
  * A's and B's rows contiguous (strides lda, ldb), K >= 8; only where
  * few_rows_cpu_supported(). One call at a time runs; others wait. */

@@ -64,7 +64,7 @@ static inline void prefetch_next(Prefetch* f) {
   f->left -= e;
 }
 
-/* With 2-8 rows, the W pair this many pairs on is prefetched (1-8 swept: 1-2 best). */
+/* With 2 or more rows (measured at 2-8), the W pair this many pairs on is prefetched (1-8 swept: 1-2 best). */
 enum { kPrefetchPairsAhead = 2 };
 
 /* Columns [n0, n1) of C: W's rows two at a time against A's rows four at a
@@ -130,7 +130,7 @@ __attribute__((target("avx512f,avx512vl,avx512dq,fma"))) static inline __m512 re
   return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
 }
 
-/* With 2-8 rows on AVX-512, the W rows this far on are prefetched: the next block of
+/* With 2 or more rows on AVX-512 (measured at 2-8), the W rows this far on are prefetched: the next block of
  * four (4, 8, 16 and 32 measured alike, 4 by a hair). */
 enum { kRowsPrefetchAhead = 4 };
 
@@ -188,7 +188,7 @@ ROWS_BLOCK_FN(4)
 #undef ROWS_BLOCK_FN
 #undef ROW_FMAS
 
-/* Two to eight rows of A (decode at batch 2-8) on AVX-512: W four rows at a
+/* Two to 32 rows of A (decode at batch 2-32) on AVX-512: W four rows at a
  * time, read from memory once for all of A's rows (in blocks of four; the
  * second block finds them in L1), the rows kRowsPrefetchAhead on prefetched
  * into L2 meanwhile. Columns past the last block of four: one chain each, as

@@ -28,7 +28,8 @@
  * kernels: results agree with the direct call to rounding.
  *
  * Few-row products with a row-major weight, few_rows_min (1) to few_rows_max
- * (8) rows (checked before the sgemv path above, so the 1-2-row products of
+ * rows (by default 32 on the kernel's AVX-512 path, 16 on its AVX2 path:
+ * few_rows_auto_max) (checked before the sgemv path above, so the 1-2-row products of
  * that layout run here; other layouts never do):
  * C[M,N] = A[M,K] W[N,K]^T, which is how MLX calls x @ w.T (A not
  * transposed, B transposed with its rows contiguous). Both orders of
@@ -36,7 +37,7 @@
  * fraction of memory bandwidth, though every weight is used only M times.
  * Where the CPU has AVX2 and FMA, such a call runs the kernel of
  * blas_few_rows.c instead: W is read once (AVX2: two rows at a time;
- * AVX-512: sixteen rows at a time for one row of A, four for 2-8), each
+ * AVX-512: sixteen rows at a time for one row of A, four for more), each
  * against all M rows of A (which stay in cache), the columns split over a
  * small pool of threads (one per core, the caller included; set_threads).
  * Each output is one dot product of 8-lane (AVX2) or 16-lane (AVX-512)
@@ -79,7 +80,7 @@ static atomic_int gemv_max_rows = 2;
 static atomic_int few_rows_min = 1;
 static atomic_int transpose_max_rows = 32;
 enum { TRANSPOSE_MIN_COLS = 64 };
-static atomic_int few_rows_max = 8;
+static atomic_int few_rows_max = -1; /* -1: few_rows_auto_max() */
 static atomic_llong n_sgemm, n_sgemv, n_dgemm, n_cgemm, n_transposed, n_few_rows, n_large;
 
 /* Large products (prefill: M >= large_min_rows rows) may go to a second
@@ -188,15 +189,23 @@ EXPORT int vllm_metal_blas_shim_set_transpose_max_rows(int rows) {
   return atomic_exchange(&transpose_max_rows, rows < 0 ? 0 : rows);
 }
 
-/* A row-major x[M,K] @ W[N,K]^T with 3..rows rows (8 by default) runs the
- * few-row kernel where the CPU has AVX2 and FMA; 0: never. Returns the
+/* A row-major x[M,K] @ W[N,K]^T with `rows`..few_rows_max rows runs the
+ * few-row kernel where the CPU has AVX2 and FMA (1 by default). Returns the
  * previous value. */
 EXPORT int vllm_metal_blas_shim_set_few_rows_min(int rows) {
   return atomic_exchange(&few_rows_min, rows < 1 ? 1 : rows);
 }
 
+/* The most rows of such a product the kernel runs; 0: never; -1 (the
+ * default): few_rows_auto_max(). Returns the previous value. */
 EXPORT int vllm_metal_blas_shim_set_few_rows_max(int rows) {
-  return atomic_exchange(&few_rows_max, rows < 0 ? 0 : rows);
+  return atomic_exchange(&few_rows_max, rows < 0 ? -1 : rows);
+}
+
+/* The bound in force: few_rows_max, or few_rows_auto_max() when it is -1. */
+EXPORT int vllm_metal_blas_shim_few_rows_max(void) {
+  const int rows = atomic_load(&few_rows_max);
+  return rows < 0 ? few_rows_auto_max() : rows;
 }
 
 /* Calls seen so far: 0 sgemm forwarded as sgemm, 1 sgemm forwarded as sgemv,
@@ -297,6 +306,7 @@ static int sgemm_few_rows(int ta, int tb, i64 M, i64 N, i64 K, float alpha, cons
                           i64 lda, const float* B, i64 ldb, float beta, float* C, i64 ldc) {
   int max_rows = atomic_load_explicit(&few_rows_max, memory_order_relaxed);
   int min_rows = atomic_load_explicit(&few_rows_min, memory_order_relaxed);
+  if (max_rows < 0) max_rows = few_rows_auto_max();
   if (ta != NO_TRANS || tb != TRANS || M < min_rows || M > max_rows || N < 2 || K < 8) return 0;
   if (!few_rows_cpu_supported()) return 0;
   few_rows_sgemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

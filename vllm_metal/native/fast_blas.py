@@ -146,6 +146,7 @@ def _bind_shim() -> str | None:
         lib.vllm_metal_blas_shim_set_few_rows_max.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_few_rows_max.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_few_rows_supported.restype = ctypes.c_int
+        lib.vllm_metal_blas_shim_few_rows_max.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_threads.argtypes = [ctypes.c_int]
         lib.vllm_metal_blas_shim_set_threads.restype = ctypes.c_int
         lib.vllm_metal_blas_shim_set_large_min_rows.argtypes = [ctypes.c_int]
@@ -345,8 +346,9 @@ def set_few_rows_min(rows: int) -> int | None:
 
 def set_few_rows_max(rows: int) -> int | None:
     """Run row-major x[M,K] @ W[N,K]^T with few_rows_min..`rows` rows through the shim's own
-    few-row kernel where the CPU has AVX2 and FMA (0: never; default 8). For
-    benchmarks and tests. Returns the previous setting, or None when the shim is not bound."""
+    few-row kernel where the CPU has AVX2 and FMA (0: never; -1, the default: 32 rows on the
+    kernel's AVX-512 path, 16 on its AVX2 path, see few_rows_max()). For benchmarks and
+    tests. Returns the previous setting, or None when the shim is not bound."""
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_few_rows_max(rows))
@@ -359,6 +361,11 @@ def set_large_min_rows(rows: int) -> int | None:
     if _shim is None:
         return None
     return int(_shim.vllm_metal_blas_shim_set_large_min_rows(rows))
+
+
+def few_rows_max() -> int:
+    """The most rows a product sends to the few-row kernel as things stand (0: none)."""
+    return 0 if _shim is None else int(_shim.vllm_metal_blas_shim_few_rows_max())
 
 
 def few_rows_supported() -> bool:
