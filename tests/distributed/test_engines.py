@@ -109,8 +109,7 @@ def test_three_stages_and_tensor_parallel_inside_two_stages_on_a_tiny_llama(mode
     args = dict(max_model_len=256, kv_cache_memory_bytes=16 << 20)
     with engine(path, **args) as llm:
         want = generate(llm, prompts, max_tokens=8)
-    with engine(path, tensor_parallel_size=2, **args) as llm:
-        compare(generate(llm, prompts, max_tokens=8), want, "tiny llama tp=2")
+    # (tensor parallel alone: test_default_model_across_ranks_equals_one_rank[tp3])
     # 4 ranks: each stage's two TP ranks sum as a chain, stage 0's last rank hands over to stage 1's first.
     with engine(path, tensor_parallel_size=2, pipeline_parallel_size=2, **args) as llm:
         assert len(workers_of(llm)) == 4

@@ -1,6 +1,6 @@
 """An engine that is shut down leaves nothing of its model behind in the process: no model
-runner, no MLX memory, and (after engine_helpers.release_upstream_caches, which every test
-engine runs at teardown) no tokenizer of its model path. The suite builds hundreds of engines
+runner, no MLX memory, and (after engine_helpers.clear_upstream_caches, which every test
+engine runs at teardown, and the next garbage collection) no tokenizer of its model path. The suite builds hundreds of engines
 in two processes; what one keeps, all keep (3 GB per family-sweeping file, measured)."""
 
 from __future__ import annotations

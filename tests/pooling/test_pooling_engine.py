@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pooling_models as pm
-from engine_helpers import runner_of
+from engine_helpers import clear_upstream_caches, runner_of
 
 LONG_TEXTS = [pm.TEXTS[2] + " " + pm.TEXTS[0], pm.TEXTS[4] + " " + pm.TEXTS[5], pm.TEXTS[1]]
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
@@ -32,7 +32,8 @@ def _llm(path, **kwargs):
 def _close(llm):
     llm.llm_engine.engine_core.shutdown()
     del llm
-    gc.collect()
+    clear_upstream_caches()
+    gc.freeze()  # as engine_helpers.engine does: the next engine's start-up collects only what is new
 
 
 @pytest.fixture(scope="module")
