@@ -44,6 +44,20 @@ LONG_FILES = (
 )
 
 
+def pytest_configure(config):
+    """scripts/test.sh runs the test workers on tcmalloc (LD_PRELOAD); each process that runs
+    tests takes it back out of its environment, so the processes a test starts (servers, ranks,
+    scripts) start as a user's would. xdist's controller keeps it: it starts the workers."""
+    lib = os.environ.get("VLLM_METAL_TEST_TCMALLOC", "")
+    controller = config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
+    if lib and lib != "0" and not controller:
+        kept = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and p != lib]
+        if kept:
+            os.environ["LD_PRELOAD"] = ":".join(kept)
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+
+
 def pytest_collection_modifyitems(config, items):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     missing = [f for f in LONG_FILES if not os.path.exists(os.path.join(root, f))]
@@ -59,10 +73,12 @@ def _release_between_files():
     emptied, garbage collected, freed heap returned (see engine_helpers.release_upstream_caches).
     Without it two xdist workers grew to 8-10 GB each and one was OOM-killed."""
     yield
-    from engine_helpers import release_upstream_caches, upstream_caches_hold_entries
+    from engine_helpers import release_free_memory, release_upstream_caches, upstream_caches_hold_entries
 
     if upstream_caches_hold_entries():  # an engine or server config was built in this process
         release_upstream_caches()
+    else:
+        release_free_memory()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ process runs on it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_metal.native import allocator
@@ -76,7 +78,6 @@ def test_configure_prepends_and_is_idempotent(found, monkeypatch):
 
 @pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="no tcmalloc on this host")
 def test_engine_allocator_reads_the_process():
-    import os
     import subprocess
     import sys
 
@@ -87,3 +88,20 @@ def test_engine_allocator_reads_the_process():
     env["LD_PRELOAD"] = allocator.find_tcmalloc()
     preloaded = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert preloaded.stdout.strip().startswith("tcmalloc (") and "libtcmalloc" in preloaded.stdout
+
+
+def test_the_test_workers_run_on_tcmalloc_and_what_they_start_does_not():
+    """scripts/test.sh preloads tcmalloc into the test workers (VLLM_METAL_TEST_TCMALLOC names
+    it); tests/conftest.py takes it out of their environment, so a server or script a test
+    starts gets the allocator a user's would."""
+    import subprocess
+    import sys
+
+    lib = os.environ.get("VLLM_METAL_TEST_TCMALLOC", "")
+    if not lib or lib == "0":
+        pytest.skip("not run by scripts/test.sh with tcmalloc (VLLM_METAL_TEST_TCMALLOC unset or 0)")
+    assert os.path.realpath(lib) in open("/proc/self/maps").read()
+    assert lib not in os.environ.get("LD_PRELOAD", "").split(":")
+    child = subprocess.run([sys.executable, "-c", "print(open('/proc/self/maps').read())"], capture_output=True,
+                           text=True, check=True, timeout=60)
+    assert "libtcmalloc" not in child.stdout
