@@ -31,13 +31,14 @@ parallel=()
 # its slow paths (measured: the family-parity file's 16-family slice 58.6 -> 39.5 s).
 # tests/conftest.py takes it back out of LD_PRELOAD in each worker, so the processes the tests
 # start (servers, ranks, scripts) get what a user's would. VLLM_METAL_TEST_TCMALLOC=0: glibc.
-if [[ "${VLLM_METAL_TEST_TCMALLOC:-1}" != "0" && "$(uname -s)" == "Linux" ]]; then
+tcmalloc=""
+if [[ "${VLLM_METAL_TEST_TCMALLOC:-1}" != "0" && "$(uname -s)" == "Linux" && "${LD_PRELOAD:-}" != *malloc* ]]; then
   tcmalloc=$(.venv/bin/python -c "from vllm_metal.native.allocator import find_tcmalloc; print(find_tcmalloc() or '')")
-  if [[ -n "$tcmalloc" && "${LD_PRELOAD:-}" != *malloc* ]]; then
-    export VLLM_METAL_TEST_TCMALLOC="$tcmalloc"
-    export LD_PRELOAD="$tcmalloc${LD_PRELOAD:+:$LD_PRELOAD}"
-  fi
 fi
+if [[ -n "$tcmalloc" ]]; then
+  export LD_PRELOAD="$tcmalloc${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
+export VLLM_METAL_TEST_TCMALLOC="${tcmalloc:-0}"  # what conftest.py takes out again (0: nothing)
 guard=(--timeout="${VLLM_METAL_TEST_TIMEOUT:-600}" --timeout-method=signal)
 [[ "$workers" != "0" ]] && guard+=(--max-worker-restart=2)
 limit=()
