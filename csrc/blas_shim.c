@@ -203,10 +203,12 @@ EXPORT int vllm_metal_blas_shim_set_few_rows_max(int rows) {
 }
 
 /* The bound in force: few_rows_max, or few_rows_auto_max() when it is -1. */
-EXPORT int vllm_metal_blas_shim_few_rows_max(void) {
-  const int rows = atomic_load(&few_rows_max);
+static int few_rows_bound(void) {
+  const int rows = atomic_load_explicit(&few_rows_max, memory_order_relaxed);
   return rows < 0 ? few_rows_auto_max() : rows;
 }
+
+EXPORT int vllm_metal_blas_shim_few_rows_max(void) { return few_rows_bound(); }
 
 /* Calls seen so far: 0 sgemm forwarded as sgemm, 1 sgemm forwarded as sgemv,
  * 2 dgemm, 3 cgemm, 4 sgemm computed as its transpose, 5 sgemm run by the
@@ -304,9 +306,8 @@ static int sgemm_transposed(int ta, int tb, i64 M, i64 N, i64 K, float alpha, co
  * not apply. */
 static int sgemm_few_rows(int ta, int tb, i64 M, i64 N, i64 K, float alpha, const float* A,
                           i64 lda, const float* B, i64 ldb, float beta, float* C, i64 ldc) {
-  int max_rows = atomic_load_explicit(&few_rows_max, memory_order_relaxed);
+  int max_rows = few_rows_bound();
   int min_rows = atomic_load_explicit(&few_rows_min, memory_order_relaxed);
-  if (max_rows < 0) max_rows = few_rows_auto_max();
   if (ta != NO_TRANS || tb != TRANS || M < min_rows || M > max_rows || N < 2 || K < 8) return 0;
   if (!few_rows_cpu_supported()) return 0;
   few_rows_sgemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

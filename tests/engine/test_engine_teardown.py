@@ -14,7 +14,9 @@ from engine_helpers import engine, greedy, runner_of
 
 
 def tokenizers_of(path: str) -> list:
-    """Live tokenizer objects loaded from `path`."""
+    """Live tokenizer objects loaded from `path` (frozen ones too: engine_helpers.engine and vLLM
+    freeze the heap, and gc.get_objects does not list what is frozen)."""
+    gc.unfreeze()
     gc.collect()
     return [obj for obj in gc.get_objects()
             if "Tokenizer" in type(obj).__name__ and getattr(obj, "name_or_path", None) == path]

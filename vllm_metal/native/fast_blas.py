@@ -47,7 +47,7 @@ shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
 `status` says what happened (`vllm-metal doctor` prints `summary()`). macOS
 uses Accelerate/Metal and needs none of this.
 
-Few-row products (1 to 8 rows times a weight: decode rows) run the shim's
+Few-row products (1 to 32 rows times a weight, 16 on AVX2-only CPUs: decode rows) run the shim's
 own kernels (AVX2, and AVX-512 where the CPU has it), which read the weight
 once at close to memory bandwidth and give a row the same bits whatever the
 row count, on their own small thread pool (VLLM_METAL_CPU_THREADS, or the
@@ -287,9 +287,11 @@ def preload() -> tuple[str | None, str]:
 
 
 def _few_rows_summary() -> str:
-    if few_rows_supported():
-        return "x @ W.T of 1-8 rows on the shim's own kernel, other 1-2-row products as sgemv, 3-32-row ones transposed"
-    return "1-2-row products as sgemv, 3-32-row ones transposed"
+    rows = few_rows_max() if few_rows_supported() else 0
+    if not rows:
+        return "1-2-row products as sgemv, 3-32-row ones transposed"
+    rest = f", {rows + 1}-32-row ones transposed" if rows < 32 else ""
+    return f"x @ W.T of 1-{rows} rows on the shim's own kernel, other 1-2-row products as sgemv" + rest
 
 
 def _large_summary() -> str:
