@@ -19,13 +19,34 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include <optional>
+#include <vector>
+#include <utility>
+
 namespace vllm_metal {
 
 namespace mx = mlx::core;
 
 // int32 [rows]: argmax_v sum_k hidden[r, k] * weight[v, k]. hidden [rows,
-// hidden_size] and weight [vocab, hidden_size], both float32. Lazy.
-mx::array argmax_head(const mx::array& hidden, const mx::array& weight, mx::StreamOrDevice s = {});
+// hidden_size] and weight [vocab, hidden_size], both float32. Lazy. With the
+// weight's screen (argmax_head_screen: weight, table) the CPU finds the same
+// tokens through it where argmax_screen_available() (cpu/argmax_head_screen.h).
+mx::array argmax_head(const mx::array& hidden, const mx::array& weight, const std::optional<mx::array>& screen_weight,
+                      const std::optional<mx::array>& screen_table, mx::StreamOrDevice s = {});
+
+// The screen of a float32 [vocab, hidden_size] head, built now (the weight is
+// evaluated): its bfloat16 copy (uint16 bit patterns, the kernel's layout)
+// and float32 per-token bound factors. Raises std::invalid_argument naming
+// why a weight cannot be screened.
+std::pair<mx::array, mx::array> argmax_head_screen(const mx::array& weight);
+
+// Whether this CPU runs the screened kernel (AVX-512 BF16, kernels not capped
+// below AVX-512).
+bool argmax_head_screen_available();
+
+// The screened kernel's process-wide counts: {calls, rows, exact (candidate
+// logits computed), declined (calls sent to the exact kernel)}.
+std::vector<int64_t> argmax_head_screen_counters();
 
 class ArgmaxHead : public mx::UnaryPrimitive {
  public:

@@ -2,6 +2,7 @@
 // facts. Lives in nanobind domain "mlx" so mx.array / mx.Stream cross over.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -74,9 +75,27 @@ NB_MODULE(_ext, m) {
       "hidden"_a,
       "weight"_a,
       nb::kw_only(),
+      "screen_weight"_a = nb::none(),
+      "screen_table"_a = nb::none(),
       "stream"_a = nb::none(),
       "Lazy argmax over the vocabulary of hidden @ weight^T on MLX's CPU device "
       "(see vllm_metal.native.ops.argmax_head).");
+
+  m.def(
+      "argmax_head_screen",
+      &vllm_metal::argmax_head_screen,
+      "weight"_a,
+      "The bfloat16 screen of a float32 head for argmax_head (see vllm_metal.native.ops.argmax_head_screen).");
+
+  m.def(
+      "argmax_head_screen_available",
+      &vllm_metal::argmax_head_screen_available,
+      "Whether this CPU runs argmax_head's screened kernel (AVX-512 BF16).");
+
+  m.def(
+      "argmax_head_screen_counters",
+      &vllm_metal::argmax_head_screen_counters,
+      "[calls, rows, exact, declined]: the screened kernel's work in this process.");
 
   m.def(
       "gelu",

@@ -83,6 +83,13 @@ ENV_VARS: dict[str, tuple[str | None, str]] = {
         "(proven at load) as one DecoderLayer primitive instead of ~36 graph nodes: '1' "
         "(default) or '0'.",
     ),
+    "VLLM_METAL_HEAD_SCREEN": (
+        "1",
+        "Greedy steps on MLX's CPU device find each row's token through a bfloat16 screen of the "
+        "float32 output head (the same tokens: exact float32 logits for the few tokens the screen "
+        "cannot rule out; built at load, half the head's bytes) where the CPU has AVX-512 BF16: "
+        "'1' (default) or '0' (every logit in float32).",
+    ),
     "VLLM_METAL_CPU_NORM_ROPE": (
         "auto",
         "RMSNorm and RoPE through vllm-metal's primitives (MLX's CPU rms_norm and rope are "

@@ -66,6 +66,9 @@ class LoadedModel:
     # exactly hidden @ W^T (no scale, softcap or bias; not split by tensor
     # parallel), found by greedy_head(); False: not such a head.
     _plain_head: object = None
+    # Its bfloat16 screen on MLX's CPU device (ops.argmax_head_screen; None
+    # where not built or not used), built with it.
+    _head_screen: object = None
 
     def owns(self, layer: int) -> bool:
         return self.owned is None or layer in self.owned
@@ -174,10 +177,11 @@ class LoadedModel:
     def greedy_tokens(self, hidden: mx.array, fused_head: bool = True) -> mx.array:
         """Final hidden rows -> each row's argmax token (int32, lazy): through
         the ArgmaxHead primitive when the head is a plain matrix (ops.argmax_head:
-        the logits never leave the registers), else argmax of `logits`."""
+        the logits never leave the registers; on the CPU through the head's
+        bfloat16 screen where one was built), else argmax of `logits`."""
         w = self.greedy_head() if fused_head else None
         if w is not None:
-            return ops.argmax_head(hidden.astype(mx.float32), w)
+            return ops.argmax_head(hidden.astype(mx.float32), w, screen=self._head_screen)
         return mx.argmax(self.logits(hidden), axis=-1).astype(mx.int32)
 
     def greedy_head(self) -> mx.array | None:
@@ -188,6 +192,8 @@ class LoadedModel:
         logits, or a head split by tensor parallel, fails the check)."""
         if self._plain_head is None:
             self._plain_head = self._find_plain_head()
+            if self._plain_head is not False and mx.default_device().type == mx.DeviceType.cpu:
+                self._head_screen = ops.argmax_head_screen(self._plain_head)  # None where not used
         return self._plain_head if self._plain_head is not False else None
 
     def _find_plain_head(self):

@@ -56,36 +56,6 @@ def swiglu(gate: mx.array, up: mx.array, *, stream=None) -> mx.array:
     return _ext.swiglu(gate, up, stream=stream)
 
 
-# Rows from which the CPU primitive beats MLX's matmul + argmax (measured in
-# docs/primitives.md#argmax_head; below it OpenBLAS's few-row product wins).
-ARGMAX_HEAD_MIN_ROWS = 8
-
-
-def argmax_head(hidden: mx.array, weight: mx.array, *, stream=None) -> mx.array:
-    """Each row's greedy token: int32 [rows], argmax over the vocabulary of
-    hidden [rows, dim] @ weight [vocab, dim]^T (the first index on ties), lazy.
-
-    On MLX's CPU device, from ARGMAX_HEAD_MIN_ROWS float32 rows, this is
-    vllm-metal's ArgmaxHead primitive (the logits stay in registers: no
-    [rows, vocab] product written and read back); otherwise MLX's own matmul
-    and argmax. Shape or dtype mistakes raise ValueError.
-    """
-    _check_array(hidden, "hidden")
-    _check_array(weight, "weight")
-    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"[argmax_head] hidden must be [rows, dim] and weight [vocab, dim], got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError("[argmax_head] the vocabulary (weight's first axis) is empty")
-    if hidden.shape[0] == 0:
-        return mx.zeros((0,), dtype=mx.int32)
-    if (_device_of(stream).type == mx.DeviceType.cpu and hidden.shape[0] >= ARGMAX_HEAD_MIN_ROWS
-            and hidden.dtype == mx.float32 and weight.dtype == mx.float32):
-        return _ext.argmax_head(hidden, weight, stream=stream)
-    logits = mx.matmul(hidden, weight.T, stream=stream)
-    return mx.argmax(logits, axis=-1, stream=stream).astype(mx.int32, stream=stream)
-
-
 def gelu(x: mx.array, *, approximate: bool = False, stream=None) -> mx.array:
     """GELU, lazy, in x's dtype: 0.5 x (1 + erf(x / sqrt(2))), or with
     approximate the tanh form (transformers' "gelu_pytorch_tanh" / "gelu_new").

@@ -45,14 +45,15 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from vllm_metal.native.elementwise import (  # noqa: E402,F401  (re-exported: ops.swiglu etc.)
-    ARGMAX_HEAD_MIN_ROWS, GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array,
-    _device_of, argmax_head, cpu_kernels, gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope,
-    rope_composed, swiglu)
+    GATED_DELTA_KEY_DIMS, GATED_DELTA_MAX_VALUE_DIM, GATED_DELTA_PATHS, _check_array, _device_of, cpu_kernels,
+    gated_delta, gated_delta_path, gelu, layer_norm, rms_norm, rope, rope_composed, swiglu)
+from vllm_metal.native.greedy_head import (  # noqa: E402,F401  (re-exported: ops.argmax_head etc.)
+    ARGMAX_HEAD_MIN_ROWS, HeadScreen, argmax_head, argmax_head_screen)
 from vllm_metal.native.kv_writes import (  # noqa: E402,F401  (re-exported: ops.write_kv etc.)
     SlotMapping, _slot_array, rope_write_kv, write_cache, write_kv)
 
 __all__ = ["paged_attention", "paged_attention_reference", "write_kv", "attention_path", "cpu_kernels",
-           "gated_delta", "gated_delta_path", "swiglu", "argmax_head", "gelu", "layer_norm", "rms_norm", "rope",
+           "gated_delta", "gated_delta_path", "swiglu", "argmax_head", "argmax_head_screen", "gelu", "layer_norm", "rms_norm", "rope",
            "rope_write_kv", "write_cache", "SlotMapping"]
 
 _INDEX_ARGS = ("block_tables", "seq_lens", "cu_seqlens_q")
