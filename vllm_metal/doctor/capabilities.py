@@ -180,9 +180,11 @@ def _allocator(device: str, problems: list[str]) -> dict:
 
 
 def cpu_kernels_line(k: dict) -> str:
-    """"avx2 builds (host avx512, capped by VLLM_METAL_CPU_ISA=avx2)"."""
+    """"avx2 builds (host avx512, capped by VLLM_METAL_CPU_ISA=avx2)", and
+    "; greedy head screened in bfloat16" where the CPU runs that kernel."""
     why = f", capped by VLLM_METAL_CPU_ISA={k['cap']}" if k["cap"] and k["isa"] != k["host_isa"] else ""
-    return f"{k['isa']} builds (host {k['host_isa']}{why})"
+    screen = "; greedy head screened in bfloat16 (AVX-512 BF16)" if k.get("head_screen") else ""
+    return f"{k['isa']} builds (host {k['host_isa']}{why}){screen}"
 
 
 def short_report(device: str) -> str:

@@ -141,10 +141,6 @@ class MetalModelRunner:
         if lora is not None:
             self.adapters = AdapterPool(m, m.dtype, lora.max_lora_rank, lora.max_loras,
                                         lora.max_cpu_loras or lora.max_loras)
-        if self.sample_in_graph:
-            # The greedy head's probe, and on the CPU its screen, now: the
-            # screen's memory is then resident before the KV cache is sized.
-            m.greedy_head()
         logger.info("vllm-metal loaded %s (%s%s) on MLX %s in %.1fs%s", self.model_config.model, dtype,
                     ", MLX-quantized" if m.quantized else "", self.device, time.perf_counter() - start,
                     "".join(f"; {e}" for e in m.load_notes(self.parallel)))

@@ -84,7 +84,10 @@ class MetalWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         import psutil
 
-        weights = self.model_runner.weights_bytes()
+        runner = self.model_runner
+        if runner.sample_in_graph and runner.mlx_model is not None:
+            runner.mlx_model.greedy_head()  # its probe, and on the CPU its screen: resident before memory is read
+        weights = runner.weights_bytes()
         used = max(psutil.Process().memory_info().rss - weights, 0) if self.device_name == "cpu" \
             else max(mx.get_active_memory() - weights, 0)
         # Ranks on one host share its memory evenly.
