@@ -34,7 +34,7 @@ namespace {
 constexpr int64_t kChunkTiles = 16;  // 256 tokens a chunk
 constexpr int64_t kTaskChunks = 4;  // 1,024 tokens a task
 constexpr int64_t kCap = 32;  // candidates kept per task and row
-constexpr int kMaxRows = 8;  // rows a block
+constexpr int kMaxRows = 8;  // rows a block: 4 tiles x up to 4 rows or 2 tiles x 5-8 (<= 16 accumulators; 12 rows x 2 measured level)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // acc += two bfloat16 products a lane. In place through asm: with the

@@ -89,6 +89,9 @@ def argmax_head_screen(weight: mx.array) -> HeadScreen | None:
     except ValueError as e:
         logger.info("vllm-metal: greedy steps use the exact head: %s", e)
         return None
+    logger.info("vllm-metal: greedy steps screen the %d x %d head in bfloat16 (%.1f MiB; "
+                "VLLM_METAL_HEAD_SCREEN=0 turns it off)", weight.shape[0], weight.shape[1],
+                (wb.nbytes + table.nbytes) / 2**20)
     return HeadScreen(wb, table)
 
 
