@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from engine_helpers import GOLDEN, engine, greedy, runner_of
 
-from vllm_metal.native import ops
+from vllm_metal.native import greedy_head, ops
 
 TARGET = GOLDEN[-1]  # the longest prompt (571 tokens)
 OTHERS = [g["prompt_ids"] for g in GOLDEN[:7]]
@@ -88,6 +88,8 @@ def test_default_step_is_one_lazy_graph(model_dir, monkeypatch):
     with engine(model_dir) as llm:
         runner = runner_of(llm)
         model = runner.mlx_model
+        # The greedy head's bfloat16 screen: built before the worker read its memory (worker.py).
+        assert (model._head_screen is not None) == greedy_head.screen_available()
         pending_when_built, eval_calls = [], []
         real_hidden, real_eval, real_async = model.hidden_states, mx.eval, mx.async_eval
 

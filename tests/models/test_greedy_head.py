@@ -13,6 +13,7 @@ import pytest
 from families import build
 
 from vllm_metal.models.loader import load_model
+from vllm_metal.native import greedy_head
 
 # family -> whether its head is a plain matrix
 CASES = {"llama": True, "mistral": True, "gemma2": False, "cohere": False}
@@ -23,12 +24,16 @@ def test_greedy_tokens_are_the_argmax_of_the_familys_logits(tmp_path, model_dir,
     loaded = load_model(build(family, tmp_path / family, model_dir), dtype="float32", dequantize=True)
     w = loaded.greedy_head()
     assert (w is not None) is CASES[family], family
+    # A plain head gets its bfloat16 screen where the CPU runs that kernel (native/greedy_head.py).
+    assert (loaded._head_screen is not None) == (CASES[family] and greedy_head.screen_available())
+    before = greedy_head.screen_counters()["rows"]
     rng = np.random.default_rng(0)
     for rows in (3, 8, 40):  # below and above the primitive's row threshold
         hidden = mx.array(rng.standard_normal((rows, int(loaded.config.get("hidden_size", 64)))).astype(np.float32))
         want = np.argmax(np.array(loaded.logits(hidden), np.float64), axis=1)
         np.testing.assert_array_equal(np.array(loaded.greedy_tokens(hidden)), want)
         np.testing.assert_array_equal(np.array(loaded.greedy_tokens(hidden, fused_head=False)), want)
+    assert greedy_head.screen_counters()["rows"] - before == (51 if loaded._head_screen is not None else 0)
 
 
 def test_a_quantized_head_is_not_plain(tmp_path, model_dir):
