@@ -65,11 +65,6 @@ std::pair<mx::array, mx::array> argmax_head_screen(const mx::array& weight) {
   auto w = mx::contiguous(weight, false, mx::Device::cpu);
   mx::eval(w);
   const int64_t vocab = w.shape(0), dim = w.shape(1);
-  if (dim > cpu::kScreenMaxDim) {
-    std::ostringstream os;
-    os << "[argmax_head_screen] hidden size " << dim << " is over " << cpu::kScreenMaxDim;
-    throw std::invalid_argument(os.str());
-  }
   std::vector<uint16_t> wb(static_cast<size_t>(cpu::screen_weight_values(vocab, dim)));
   std::vector<float> table(static_cast<size_t>(cpu::screen_table_floats(vocab)));
   const std::string why = cpu::build_argmax_screen(w.data<float>(), vocab, dim, wb.data(), table.data());

@@ -11,19 +11,6 @@
 
 namespace vllm_metal::cpu {
 
-namespace {
-
-// The smallest float >= x (x >= 0, finite).
-float round_up(double x) {
-  float f = static_cast<float>(x);
-  if (static_cast<double>(f) < x) {
-    f = std::nextafter(f, INFINITY);
-  }
-  return f;
-}
-
-} // namespace
-
 std::string build_argmax_screen(const float* weight, int64_t vocab, int64_t dim, uint16_t* wb, float* table) {
   if (dim < 1 || dim > kScreenMaxDim) {
     std::ostringstream os;
@@ -64,7 +51,7 @@ std::string build_argmax_screen(const float* weight, int64_t vocab, int64_t dim,
     for (int64_t k = 0; k < dim; ++k) {
       dst[(k / kScreenPair) * kScreenTile * kScreenPair + k % kScreenPair] = to_bf16(row[k]);
     }
-    table[t] = round_up(std::sqrt(sq) * (1.0 + std::ldexp(1.0, -30)) * factor);
+    table[t] = float_at_least(std::sqrt(sq) * (1.0 + std::ldexp(1.0, -30)) * factor);
   }
   return {};
 }

@@ -61,6 +61,13 @@ inline int64_t screen_table_floats(int64_t vocab) {
 // other than all zeros, dim over kScreenMaxDim); then nothing is to be used.
 std::string build_argmax_screen(const float* weight, int64_t vocab, int64_t dim, uint16_t* wb, float* table);
 
+// The smallest float >= x (x >= 0, finite): the bound's factors and norms
+// are rounded up, never down.
+inline float float_at_least(double x) {
+  float f = static_cast<float>(x);
+  return static_cast<double>(f) < x ? __builtin_nextafterf(f, __builtin_inff()) : f;
+}
+
 // x rounded to bfloat16, to nearest even (x finite).
 inline uint16_t to_bf16(float x) {
   uint32_t b;

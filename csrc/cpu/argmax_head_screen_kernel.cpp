@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -73,12 +72,7 @@ bool round_rows(const ArgmaxScreenArgs& a, int64_t pairs, Rounded& out) {
     for (int64_t k = 0; k < a.dim; ++k) {
       out.h[(k / kScreenPair) * a.rows + r] |= static_cast<uint32_t>(to_bf16(h[k])) << (16 * (k % kScreenPair));
     }
-    const double n = std::sqrt(sq) * (1.0 + std::ldexp(1.0, -30));
-    float f = static_cast<float>(n);
-    if (static_cast<double>(f) < n) {
-      f = std::nextafter(f, kInf);
-    }
-    out.norm[r] = f;
+    out.norm[r] = float_at_least(std::sqrt(sq) * (1.0 + std::ldexp(1.0, -30)));
   }
   return true;
 }
@@ -93,7 +87,7 @@ struct Task {
 struct Shared {
   const ArgmaxScreenArgs& a;
   const Rounded& hr;
-  int64_t pairs, tiles;
+  int64_t pairs;
 };
 
 // R rows from r0 against T tiles from tile0 (token offset `col` in the
@@ -311,7 +305,7 @@ bool argmax_head_screened(const ArgmaxScreenArgs& a) {
     g_declined.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
-  const Shared s{a, hr, pairs, tiles};
+  const Shared s{a, hr, pairs};
   const int64_t per_task = kChunkTiles * kTaskChunks;
   const int64_t ntasks = (tiles + per_task - 1) / per_task;
   std::vector<Task> tasks(static_cast<size_t>(ntasks));

@@ -139,6 +139,8 @@ def test_heads_the_screen_cannot_take_are_not_screened(rng, caplog):
     tiny[9] = 2.0**-45
     assert ops.argmax_head_screen(mx.array(tiny)) is None
     assert "cannot be screened: vocabulary row 9" in caplog.text
+    assert ops.argmax_head_screen(mx.zeros((2, 2**20 + 1))) is None  # the bound's K term: dim <= 2^20
+    assert "hidden size 1048577 is outside 1-1048576" in caplog.text
     ok = w.copy()
     ok[9] = 0.0  # an all-zero row is fine
     assert ops.argmax_head_screen(mx.array(ok)) is not None
