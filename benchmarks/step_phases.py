@@ -14,6 +14,13 @@ the runner's methods. Works with vLLM 0.32 and 0.33, so it runs in vLLM's CPU
 backend's venv too (benchmarks/bench_overhead.py runs it in both).
 
     python benchmarks/step_phases.py MODEL_DIR --concurrency 64 --json OUT
+
+It also times each step from one step's output reaching the scheduler to the
+next's (`step_kinds` in the JSON: decode-only steps by rows, steps with prompt
+tokens by their scheduled tokens), which says where a run's time goes, e.g. the
+sonnet benchmark's concurrency-8 run (`--concurrency 8 --requests 16
+--input-len 835 --output-len 128`, SmolLM2's float32 directory) in both
+systems' venvs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,6 +33,25 @@ import sys
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+if __name__ == "__main__":
+    # A served vllm-metal engine runs on the malloc the plugin preloads into its
+    # process (tcmalloc on Linux's CPU device: vllm_metal/native/allocator.py);
+    # this in-process engine re-executes itself once with the same LD_PRELOAD, as
+    # profile_step.py does (measured here: concurrency 64 on the tiny llama,
+    # 5,150 tok/s on glibc's malloc, 6,300-7,000 on tcmalloc). In vLLM CPU's venv
+    # (no vllm_metal) nothing happens: its caller preloads what vLLM's CPU docs ask.
+    try:
+        from vllm_metal.native import allocator as _allocator
+    except ImportError:
+        _allocator = None
+    if _allocator is not None:
+        _plan = _allocator.plan({k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+                                os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
+        if _plan.library is not None:
+            _env = dict(os.environ)
+            _allocator.preload_into(_env, _plan.library)
+            os.execve(sys.executable, [sys.executable, *sys.argv], _env)
 
 
 def timed(obj, name: str, label: str, acc: dict, counts: dict) -> None:
@@ -43,6 +69,39 @@ def timed(obj, name: str, label: str, acc: dict, counts: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+def record_steps(scheduler, finished: list) -> None:
+    """Stamps each step when its output reaches the scheduler (update_from_output,
+    which gets the step's SchedulerOutput): one step's time is the gap since the
+    previous one's, whether the engine overlaps steps (async scheduling) or not."""
+    inner = scheduler.update_from_output
+
+    def wrapper(scheduler_output, *args, **kwargs):
+        out = inner(scheduler_output, *args, **kwargs)
+        tokens = scheduler_output.num_scheduled_tokens
+        finished.append((time.perf_counter(), scheduler_output.total_num_scheduled_tokens, len(tokens),
+                         sum(1 for n in tokens.values() if n == 1)))
+        return out
+
+    scheduler.update_from_output = wrapper
+
+
+def step_kinds(finished: list, start: float) -> dict:
+    """Steps by kind: decode-only ones by their rows, steps with prompt tokens by
+    their scheduled tokens (in 512s): count, total and mean ms."""
+    kinds: dict = {}
+    prev = start
+    for stamp, tokens, rows, decode_rows in finished:
+        kind = ("empty" if tokens == 0 else f"decode {rows}" if tokens == rows
+                else f"prefill {(tokens + 511) // 512 * 512}")
+        k = kinds.setdefault(kind, {"steps": 0, "total_s": 0.0})
+        k["steps"] += 1
+        k["total_s"] += stamp - prev
+        prev = stamp
+    for k in kinds.values():
+        k["mean_ms"] = 1e3 * k["total_s"] / k["steps"]
+    return dict(sorted(kinds.items()))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -51,6 +110,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="the scheduler's token budget a step (2048: what `vllm serve` gets on a CPU)")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
 
@@ -63,7 +124,8 @@ def main(argv=None) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, 40000, args.input_len).tolist())
                for _ in range(requests)]
     llm = LLM(args.model, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=args.kv_cache_bytes,
-              max_num_seqs=args.concurrency, seed=0, enable_prefix_caching=False)
+              max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+              enable_prefix_caching=False)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     acc: dict = collections.defaultdict(float)
@@ -79,10 +141,13 @@ def main(argv=None) -> dict:
     if metal:  # the runner's own host work (its methods, wrapped the same way)
         timed(runner.mlx_model, "forward", "runner_graph", acc, counts)
         timed(runner.batch, "update", "runner_batch_update", acc, counts)
+    finished: list = []  # (time a step's output reached the scheduler, its tokens, its rows, its decode rows)
+    record_steps(core.scheduler, finished)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:args.concurrency], params, use_tqdm=False)  # warm-up
     acc.clear()
     counts.clear()
+    finished.clear()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -94,6 +159,7 @@ def main(argv=None) -> dict:
         "output_tok_s": requests * args.output_len / wall,
         "ms_per_step": {k: 1e3 * v / max(steps, 1) for k, v in sorted(acc.items())},
         "calls": dict(sorted(counts.items())),
+        "step_kinds": step_kinds(finished, start),
     }
     if metal:
         result["steps_sampled_in_graph"] = runner.steps_sampled_in_graph

@@ -29,11 +29,15 @@ struct ValueSegment {
   int off, n;
 };
 
+// KV heads of a decode unit whose keys of a step are loaded together (each
+// into its own slot of kt, v and seg) before any of them is scored.
+constexpr int kMaxSlots = 4;
+
 // Per-thread scratch, grown on demand and kept between calls.
 struct Scratch {
   std::vector<float> q, kt, krows, zeros, v, acc, part_acc, scores;
-  ValueSegment seg[kChunkKeys / 16];
-  int nseg = 0;
+  ValueSegment seg[kMaxSlots][kChunkKeys / 16];
+  int nseg[kMaxSlots] = {};
   std::vector<int> lo, hi;  // each row's lanes of the current step
   std::vector<RowState> state, part_state;
 };

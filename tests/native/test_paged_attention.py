@@ -125,6 +125,36 @@ def test_decode_units_over_all_kv_heads_keep_the_bits(rng):
         assert np.array_equal(np.array(alone), np.array(out[s:s + 1])), s
 
 
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3", "fp8_per_token_head"])
+def test_decode_units_load_heads_in_groups(rng, fmt):
+    """A decode unit over all KV heads loads a step's keys and values for up
+    to three heads of 64 at a time (the kernel's slots), block by block, then
+    scores each: eight KV heads go 3 + 3 + 2. Float64's values, and each row
+    the bits it gets alone (one unit per KV head), with float and 8-bit caches
+    (whose values are converted into each slot's own rows)."""
+    from vllm_metal.native import kv_quant
+
+    new, ctx = [1] * 6, [700, 130, 1, 515, 48, 1290]
+    b = make_batch(rng, new_tokens=new, context_lens=ctx, num_heads=16, num_kv_heads=8, head_dim=64,
+                   block_size=16, dtype=np.float32)
+    kc, vc = mx.array(b.key_cache), mx.array(b.value_cache)
+    kwargs = dict(scale=b.scale)
+    k_vals, v_vals = b.key_cache.astype(np.float64), b.value_cache.astype(np.float64)
+    if fmt is not None:
+        kc, vc = kv_quant.encode(kc, fmt, 0.5), kv_quant.encode(vc, fmt, 2.0)
+        kwargs.update(kv_cache_dtype=fmt, k_scale=0.5, v_scale=2.0)
+        k_vals = np.array(kv_quant.decode(kc, fmt)).astype(np.float64) * 0.5
+        v_vals = np.array(kv_quant.decode(vc, fmt)).astype(np.float64) * 2.0
+    q, bt, sl = mx.array(b.q), mx.array(b.block_tables), mx.array(b.seq_lens)
+    out = np.array(ops.paged_attention(q, kc, vc, bt, sl, mx.array(b.cu_seqlens_q), **kwargs))
+    expected = paged_attention_f64(b.q, k_vals, v_vals, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=2e-5)
+    for s in range(len(new)):
+        alone = ops.paged_attention(q[s:s + 1], kc, vc, bt[s:s + 1], sl[s:s + 1], mx.array([0, 1], mx.int32),
+                                    **kwargs)
+        assert np.array_equal(np.array(alone), out[s:s + 1]), s
+
+
 _THREADS_SCRIPT = r"""
 import sys, numpy as np, mlx.core as mx
 sys.path.insert(0, {tests!r})
