@@ -225,7 +225,7 @@ EXPORT int vllm_metal_blas_shim_few_rows_supported(void) { return few_rows_cpu_s
 
 int few_rows_auto_max(void) {
 #if defined(__x86_64__)
-  return !few_rows_cpu_supported() ? 0 : avx512_allowed() ? 32 : 16;
+  return !few_rows_cpu_supported() ? 0 : avx512_allowed() ? 64 : 16;
 #else
   return 0;
 #endif

@@ -11,11 +11,18 @@ typedef int64_t i64;
 /* 1 when this CPU runs the kernel (AVX2 and FMA). */
 int few_rows_cpu_supported(void);
 
-/* The most rows sent to the kernel by default (few_rows_max -1): 32 where its
- * AVX-512 path runs, 16 on its AVX2 path, 0 where it does not run. Measured
- * in docs/benchmarks.md#blas-shim: from there OpenBLAS's packed sgemm is as
- * fast or faster. */
+/* The most rows sent to the kernel by default (few_rows_max -1): 64 where its
+ * AVX-512 path runs (33-64 only for weights of at most FEW_ROWS_WIDE_MAX_WEIGHTS
+ * floats: blas_shim.c), 16 on its AVX2 path, 0 where it does not run. Measured
+ * in docs/benchmarks.md#blas-shim: past those OpenBLAS's packed sgemm is as fast
+ * or faster on a quiet machine, and the kernel's pool holds up better when
+ * another process wants a core (served concurrency 64 on the tiny llama). */
 int few_rows_auto_max(void);
+
+/* Rows every weight runs on the kernel with the automatic bound (AVX-512); past
+ * them, up to few_rows_auto_max(), only weights of at most this many floats. */
+enum { FEW_ROWS_ALL_WEIGHTS = 32 };
+#define FEW_ROWS_WIDE_MAX_WEIGHTS ((i64)4 << 20)
 
 /* Row-major C[M,N] = alpha A[M,K] B[N,K]^T + beta C (beta 0: C not read),
  * A's and B's rows contiguous (strides lda, ldb), K >= 8; only where

@@ -28,8 +28,9 @@
  * kernels: results agree with the direct call to rounding.
  *
  * Few-row products with a row-major weight, few_rows_min (1) to few_rows_max
- * rows (by default 32 on the kernel's AVX-512 path, 16 on its AVX2 path:
- * few_rows_auto_max) (checked before the sgemv path above, so the 1-2-row products of
+ * rows (by default 64 on the kernel's AVX-512 path, 33-64 only for weights of
+ * up to 16 MB, and 16 on its AVX2 path: few_rows_auto_max) (checked before the
+ * sgemv path above, so the 1-2-row products of
  * that layout run here; other layouts never do):
  * C[M,N] = A[M,K] W[N,K]^T, which is how MLX calls x @ w.T (A not
  * transposed, B transposed with its rows contiguous). Both orders of
@@ -310,6 +311,11 @@ static int sgemm_few_rows(int ta, int tb, i64 M, i64 N, i64 K, float alpha, cons
   int min_rows = atomic_load_explicit(&few_rows_min, memory_order_relaxed);
   if (ta != NO_TRANS || tb != TRANS || M < min_rows || M > max_rows || N < 2 || K < 8) return 0;
   if (!few_rows_cpu_supported()) return 0;
+  /* The automatic bound's 33-64 rows: layer-sized weights only (an output head of
+   * 49k rows at 64 rows is compute-bound, where OpenBLAS's packed sgemm is faster). */
+  if (M > FEW_ROWS_ALL_WEIGHTS && atomic_load_explicit(&few_rows_max, memory_order_relaxed) < 0 &&
+      N * K > FEW_ROWS_WIDE_MAX_WEIGHTS)
+    return 0;
   few_rows_sgemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   return 1;
 }

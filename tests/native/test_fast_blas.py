@@ -49,10 +49,10 @@ def test_shim_is_bound():
     assert shim in maps and fast_blas.libraries["gemm"] in maps
     # MLX's own matmuls arrive in the shim: one and four rows times a row-major
     # weight through the few-row kernel (where the CPU has it, else sgemv and
-    # sgemm), one row times another layout as sgemv, 40 rows as sgemm.
+    # sgemm), one row times another layout as sgemv, 80 rows as sgemm.
     before = fast_blas.shim_calls()
     w = mx.ones((32, 16))
-    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((40, 16)) @ w.T, mx.ones((1, 16)) @ mx.ones((16, 32)))
+    mx.eval(mx.ones((1, 16)) @ w.T, mx.ones((4, 16)) @ w.T, mx.ones((80, 16)) @ w.T, mx.ones((1, 16)) @ mx.ones((16, 32)))
     after = fast_blas.shim_calls()
     few = int(fast_blas.few_rows_supported())
     assert after["sgemm_few_rows"] == before["sgemm_few_rows"] + 2 * few
@@ -189,7 +189,7 @@ def test_shim_sgemm_every_layout(gemv, order, ta, tb, mnk, beta, few_min, rng):
     assert after["sgemm"] - before["sgemm"] == int(not as_gemv and not transposed and not few and not large)
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 32])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 13, 16, 32, 47, 64])
 def test_few_row_kernel_on_the_pool_matches_float64(m, rng):
     # >= 1M multiply-adds: the columns are split over the pool (smaller products stay on
     # the caller); one and two rows reach the kernel with few_rows_min 1.
@@ -209,6 +209,36 @@ def test_few_row_kernel_on_the_pool_matches_float64(m, rng):
     finally:
         fast_blas.set_few_rows_min(previous)
     _check(np.array(got), x.astype(np.float64), w.T.astype(np.float64))
+
+
+def test_rows_past_32_take_the_kernel_only_for_layer_sized_weights(rng):
+    """With the automatic bound, 33-64 rows run the few-row kernel for weights of up
+    to 16 MB (a layer's) and OpenBLAS's packed sgemm for larger ones (an output
+    head's: compute-bound there, where OpenBLAS is faster); 32 rows or fewer take
+    the kernel whatever the weight, and a bound set explicitly holds for every
+    weight. Each way float64's values."""
+    if fast_blas.few_rows_max() <= 32:
+        pytest.skip(f"this CPU's bound is {fast_blas.few_rows_max()} rows (the kernel's AVX-512 path takes 64)")
+    k = 577
+    big = mx.array(rng.standard_normal((7283, k)).astype(np.float32))  # 4.2M floats: past 16 MB
+    small = mx.array(rng.standard_normal((2053, k)).astype(np.float32))
+    previous = fast_blas.set_few_rows_min(1)
+    try:
+        for w, m, bound, kernel in [(big, 48, -1, False), (big, 64, -1, False), (big, 32, -1, True),
+                                    (small, 48, -1, True), (big, 48, 64, True)]:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            old = fast_blas.set_few_rows_max(bound)
+            try:
+                before = fast_blas.shim_calls()
+                got = mx.array(x) @ w.T
+                mx.eval(got)
+                after = fast_blas.shim_calls()
+            finally:
+                fast_blas.set_few_rows_max(old)
+            assert after["sgemm_few_rows"] - before["sgemm_few_rows"] == int(kernel), (w.shape, m, bound)
+            _check(np.array(got), x.astype(np.float64), np.array(w).T.astype(np.float64))
+    finally:
+        fast_blas.set_few_rows_min(previous)
 
 
 _THREADS_SCRIPT = r"""
@@ -281,9 +311,10 @@ def test_few_row_kernel_row_bits_do_not_depend_on_the_row_count(isa):
     """Decode's products at batch 1-32: a row's result has the same bits whatever the
     batch (the one-row kernel's FMA chains and sums, on AVX-512 the row blocks'
     sixteen sums at once in reduce16_avx512's same tree), so a request's tokens do
-    not depend on how many others run beside it. The kernel takes up to 32 rows on its
-    AVX-512 path and 16 on its AVX2 path (past those OpenBLAS's packed sgemm is as
-    fast: docs/benchmarks.md#blas-shim); one row more goes to OpenBLAS. In a fresh
+    not depend on how many others run beside it. The kernel takes up to 64 rows on its
+    AVX-512 path (33-64 for weights up to 16 MB, as this one) and 16 on its AVX2 path
+    (past those OpenBLAS's packed sgemm is as fast quiet, and slower served:
+    docs/benchmarks.md#blas-shim); one row more goes to OpenBLAS. In a fresh
     process per ISA (the cap is read once)."""
     if not fast_blas.few_rows_supported():
         pytest.skip("this CPU has no AVX2/FMA: the few-row kernel does not run")
@@ -296,7 +327,7 @@ def test_few_row_kernel_row_bits_do_not_depend_on_the_row_count(isa):
                          timeout=300, check=True).stdout.strip().splitlines()[-1]
     rows, calls, past, differ = out.split(" ", 3)
     avx512 = isa is None and {"avx512f", "avx512vl", "avx512dq"} <= _cpu_flags()
-    assert int(rows) == (32 if avx512 else 16), out
+    assert int(rows) == (64 if avx512 else 16), out
     assert int(calls) == 2 * int(rows) - 1 and int(past) == 0 and differ == "[]", out
 
 

@@ -47,7 +47,8 @@ shim); a path loads that file instead; `reference` keeps MLX's bundled BLAS.
 `status` says what happened (`vllm-metal doctor` prints `summary()`). macOS
 uses Accelerate/Metal and needs none of this.
 
-Few-row products (1 to 32 rows times a weight, 16 on AVX2-only CPUs: decode rows) run the shim's
+Few-row products (1 to 64 rows times a weight, 33-64 only for weights up to 16 MB; 16 on AVX2-only
+CPUs: decode rows) run the shim's
 own kernels (AVX2, and AVX-512 where the CPU has it), which read the weight
 once at close to memory bandwidth and give a row the same bits whatever the
 row count, on their own small thread pool (VLLM_METAL_CPU_THREADS, or the
@@ -291,7 +292,8 @@ def _few_rows_summary() -> str:
     if not rows:
         return "1-2-row products as sgemv, 3-32-row ones transposed"
     rest = f", {rows + 1}-32-row ones transposed" if rows < 32 else ""
-    return f"x @ W.T of 1-{rows} rows on the shim's own kernel, other 1-2-row products as sgemv" + rest
+    wide = " (33-64 for weights up to 16 MB)" if rows > 32 else ""
+    return f"x @ W.T of 1-{min(rows, 32)} rows on the shim's own kernel{wide}, other 1-2-row products as sgemv" + rest
 
 
 def _large_summary() -> str:
@@ -348,8 +350,9 @@ def set_few_rows_min(rows: int) -> int | None:
 
 def set_few_rows_max(rows: int) -> int | None:
     """Run row-major x[M,K] @ W[N,K]^T with few_rows_min..`rows` rows through the shim's own
-    few-row kernel where the CPU has AVX2 and FMA (0: never; -1, the default: 32 rows on the
-    kernel's AVX-512 path, 16 on its AVX2 path, see few_rows_max()). For benchmarks and
+    few-row kernel where the CPU has AVX2 and FMA (0: never; -1, the default: 64 rows on the
+    kernel's AVX-512 path, 33-64 only for weights up to 16 MB, 16 on its AVX2 path, see
+    few_rows_max()); a set bound applies to every weight. For benchmarks and
     tests. Returns the previous setting, or None when the shim is not bound."""
     if _shim is None:
         return None
