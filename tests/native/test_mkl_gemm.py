@@ -94,7 +94,7 @@ import json, os, numpy as np
 import vllm_metal.native.ops  # noqa: F401  (arms the shim before mlx.core)
 import mlx.core as mx
 from vllm_metal.native import fast_blas
-a = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+a = np.random.default_rng(0).standard_normal((80, 96)).astype(np.float32)  # past the few-row kernel (64)
 before = fast_blas.shim_calls()
 got = np.array(mx.array(a) @ mx.array(a.T))
 after = fast_blas.shim_calls()
