@@ -87,21 +87,10 @@ import os
 if os.uname().sysname != "Darwin":  # elsewhere the plugin runs on MLX's CPU device, by opt-in
     os.environ.setdefault("VLLM_METAL_DEVICE", "cpu")
 
-if __name__ == "__main__":
-    # A served engine runs on the malloc the plugin preloads into its process
-    # (tcmalloc on Linux's CPU device: vllm_metal/native/allocator.py); this
-    # profile runs the runner in its own process, so it re-executes itself
-    # once with the same LD_PRELOAD. VLLM_METAL_TCMALLOC=0: glibc's malloc.
-    from vllm_metal.native import allocator as _allocator
+if __name__ == "__main__":  # the runner on the malloc a served engine runs on (benchmarks/served_malloc.py)
+    import served_malloc
 
-    _plan = _allocator.plan({k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
-                            os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
-    if _plan.library is not None:  # (the device as the platform decides it, without importing vLLM)
-        import sys as _sys
-
-        _env = dict(os.environ)
-        _allocator.preload_into(_env, _plan.library)
-        os.execve(_sys.executable, [_sys.executable, *_sys.argv], _env)
+    served_malloc.reexec()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

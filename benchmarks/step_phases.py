@@ -34,24 +34,10 @@ import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-if __name__ == "__main__":
-    # A served vllm-metal engine runs on the malloc the plugin preloads into its
-    # process (tcmalloc on Linux's CPU device: vllm_metal/native/allocator.py);
-    # this in-process engine re-executes itself once with the same LD_PRELOAD, as
-    # profile_step.py does (measured here: concurrency 64 on the tiny llama,
-    # 5,150 tok/s on glibc's malloc, 6,300-7,000 on tcmalloc). In vLLM CPU's venv
-    # (no vllm_metal) nothing happens: its caller preloads what vLLM's CPU docs ask.
-    try:
-        from vllm_metal.native import allocator as _allocator
-    except ImportError:
-        _allocator = None
-    if _allocator is not None:
-        _plan = _allocator.plan({k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
-                                os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
-        if _plan.library is not None:
-            _env = dict(os.environ)
-            _allocator.preload_into(_env, _plan.library)
-            os.execve(sys.executable, [sys.executable, *sys.argv], _env)
+if __name__ == "__main__":  # our engine on the malloc a served one runs on (vLLM CPU's venv: unchanged)
+    import served_malloc
+
+    served_malloc.reexec()
 
 
 def timed(obj, name: str, label: str, acc: dict, counts: dict) -> None:
@@ -162,6 +148,9 @@ def main(argv=None) -> dict:
         "step_kinds": step_kinds(finished, start),
     }
     if metal:
+        from vllm_metal.native.allocator import engine_allocator
+
+        result["malloc"] = engine_allocator()
         result["steps_sampled_in_graph"] = runner.steps_sampled_in_graph
         result["tokens_fed"] = runner.tokens_fed
     text = json.dumps(result, indent=1)

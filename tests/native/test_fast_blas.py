@@ -239,6 +239,14 @@ def test_rows_past_32_take_the_kernel_only_for_layer_sized_weights(rng):
             _check(np.array(got), x.astype(np.float64), np.array(w).T.astype(np.float64))
     finally:
         fast_blas.set_few_rows_min(previous)
+    # The shim's status line says so: the automatic bound's rule, or a set bound for every weight.
+    assert "1-32 rows on the shim's own kernel (33-64 for weights up to 16 MB)" in fast_blas._few_rows_summary()
+    old = fast_blas.set_few_rows_max(48)
+    try:
+        assert "1-32 rows on the shim's own kernel (33-48)," in fast_blas._few_rows_summary()
+    finally:
+        fast_blas.set_few_rows_max(old)
+    assert "(33-64 for weights up to 16 MB)" in fast_blas._few_rows_summary()
 
 
 _THREADS_SCRIPT = r"""

@@ -287,19 +287,22 @@ def preload() -> tuple[str | None, str]:
     return status
 
 
+_few_rows_auto = True  # the shim's automatic bound (its 33-64 rows for small weights only)
+
+
 def _few_rows_summary() -> str:
     rows = few_rows_max() if few_rows_supported() else 0
     if not rows:
         return "1-2-row products as sgemv, 3-32-row ones transposed"
     rest = f", {rows + 1}-32-row ones transposed" if rows < 32 else ""
-    wide = " (33-64 for weights up to 16 MB)" if rows > 32 else ""
+    wide = f" (33-{rows}{' for weights up to 16 MB' if _few_rows_auto else ''})" if rows > 32 else ""
     return f"x @ W.T of 1-{min(rows, 32)} rows on the shim's own kernel{wide}, other 1-2-row products as sgemv" + rest
 
 
 def _large_summary() -> str:
     if large[0]:
-        return f"33 rows and more on {large[0]} (sequential, on the shim's pool; {large[1]})"
-    return f"33 rows and more on OpenBLAS ({large[1]})"
+        return f"33 rows and more past the few-row kernel on {large[0]} (sequential, on the shim's pool; {large[1]})"
+    return f"33 rows and more past the few-row kernel on OpenBLAS ({large[1]})"
 
 
 def summary() -> str:
@@ -354,8 +357,10 @@ def set_few_rows_max(rows: int) -> int | None:
     kernel's AVX-512 path, 33-64 only for weights up to 16 MB, 16 on its AVX2 path, see
     few_rows_max()); a set bound applies to every weight. For benchmarks and
     tests. Returns the previous setting, or None when the shim is not bound."""
+    global _few_rows_auto
     if _shim is None:
         return None
+    _few_rows_auto = rows < 0
     return int(_shim.vllm_metal_blas_shim_set_few_rows_max(rows))
 
 
