@@ -18,13 +18,17 @@ import sys
 def reexec() -> None:
     """Re-executes this process with the served engine's LD_PRELOAD when it lacks it; returns otherwise."""
     try:
+        from vllm_metal import activation
         from vllm_metal.native import allocator
     except ImportError:
         return
     # An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) is planned for as a spawned
     # engine would be; the device as the platform decides it, without importing vLLM.
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    plan = allocator.plan(environ, os.uname().sysname, (os.environ.get("VLLM_METAL_DEVICE") or "gpu").lower())
+    device = (os.environ.get("VLLM_METAL_DEVICE") or "").strip().lower()
+    if device not in ("gpu", "cpu"):  # as the platform decides (engine/platform.py's mlx_device_name)
+        device = "gpu" if activation.is_apple_silicon() else "cpu"
+    plan = allocator.plan(environ, os.uname().sysname, device)
     if plan.library is not None:
         env = dict(os.environ)
         allocator.preload_into(env, plan.library)
