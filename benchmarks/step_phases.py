@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from step_kinds import step_kinds
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 if __name__ == "__main__":  # our engine on the malloc a served one runs on (vLLM CPU's venv: unchanged)
@@ -69,23 +71,6 @@ def record_steps(scheduler, finished: list) -> None:
         return out
 
     scheduler.update_from_output = wrapper
-
-
-def step_kinds(finished: list, start: float) -> dict:
-    """Steps by kind: decode-only ones by their rows, steps with prompt tokens by
-    their scheduled tokens (in 512s): count, total and mean ms."""
-    kinds: dict = {}
-    prev = start
-    for stamp, tokens, rows, decode_rows in finished:
-        kind = ("empty" if tokens == 0 else f"decode {rows}" if tokens == rows
-                else f"prefill {(tokens + 511) // 512 * 512}")
-        k = kinds.setdefault(kind, {"steps": 0, "total_s": 0.0})
-        k["steps"] += 1
-        k["total_s"] += stamp - prev
-        prev = stamp
-    for k in kinds.values():
-        k["mean_ms"] = 1e3 * k["total_s"] / k["steps"]
-    return dict(sorted(kinds.items()))
 
 
 def main(argv=None) -> dict:
