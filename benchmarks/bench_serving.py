@@ -537,10 +537,7 @@ def parse_args(argv):
 
 def publish_serving(report: dict, out_dir: Path, args) -> str:
     """Write serving.json / serving.md / serving.png into out_dir and the docs block."""
-    if report.get("roofline"):  # derived, so --render-only picks up analysis changes
-        report["roofline_rows"] = [
-            serving_results.roofline_row(run, report["roofline"], report["meta"]["dataset"]["prefix_tokens"])
-            for run in report["runs"] if "error" not in run]
+    report.update(serving_results.with_roofline_rows(report))  # derived: --render-only picks up analysis changes
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "serving.json"
     report_path.write_text(json.dumps(report, indent=2) + "\n")

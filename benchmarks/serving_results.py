@@ -98,6 +98,16 @@ def roofline_row(run: dict, roofline: dict, prefix_tokens: int) -> dict:
     return row
 
 
+def with_roofline_rows(report: dict) -> dict:
+    """The report with its roofline rows derived afresh from its runs (so a re-render picks up
+    analysis changes); a report without a roofline is returned as it is."""
+    if not report.get("roofline"):
+        return report
+    prefix = report["meta"]["dataset"]["prefix_tokens"]
+    rows = [roofline_row(run, report["roofline"], prefix) for run in report["runs"] if "error" not in run]
+    return {**report, "roofline_rows": rows}
+
+
 def _fmt(value, digits: int = 1) -> str:
     if value is None:
         return "-"
