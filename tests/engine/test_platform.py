@@ -99,17 +99,6 @@ def test_env_vars_known_to_vllm(monkeypatch):
         assert name in vllm_envs.environment_variables
 
 
-def test_every_env_var_documented():
-    """docs/usage.md's table has a row for each variable, with envs.py's default."""
-    from pathlib import Path
-
-    from vllm_metal.envs import ENV_VARS
-
-    doc = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
-    for name, (default, _) in ENV_VARS.items():
-        assert f"| `{name}` | {f'`{default}`' if default is not None else '(unset)'} |" in doc, name
-
-
 def test_spawn_forced_on_apple_silicon(monkeypatch):
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setattr(activation, "is_apple_silicon", lambda *a, **k: True)

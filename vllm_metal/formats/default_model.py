@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_metal import envs
 from vllm_metal.native import fast_blas
 
 fast_blas.preload()  # before the first `import mlx.core`
@@ -226,9 +227,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def default_model_dir() -> str:
-    return os.environ.get("VLLM_METAL_MODEL_DIR") or str(
-        Path.home() / ".cache" / "vllm-metal" / MODEL_NAME
-    )
+    return str(envs.get_path("VLLM_METAL_MODEL_DIR"))
 
 
 def ensure_default_model(path: str | None = None, force: bool = False) -> str:

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vllm_metal import envs
 from vllm_metal.formats import gguf_checkpoint
 
 CONFIG_FORMAT = "gguf"
@@ -60,7 +61,7 @@ def has_tokenizer(directory: Path) -> bool:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("VLLM_METAL_CACHE_DIR") or Path.home() / ".cache" / "vllm-metal")
+    return envs.get_path("VLLM_METAL_CACHE_DIR")
 
 
 def tokenizer_dir(gguf: Path) -> str:

@@ -38,6 +38,8 @@ import os
 import platform
 from dataclasses import dataclass
 
+from vllm_metal import envs
+
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
     "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -69,7 +71,7 @@ def plan(environ: dict | os._Environ, system: str, device: str) -> PreloadPlan:
     """The decision, from the environment, the OS name (platform.system())
     and the MLX device ("cpu" or "gpu"); raises ValueError for a
     VLLM_METAL_TCMALLOC it cannot honour."""
-    choice = (environ.get("VLLM_METAL_TCMALLOC") or "auto").strip()
+    choice = (envs.get("VLLM_METAL_TCMALLOC", environ) or "auto").strip()
     if choice.lower() in ("0", "off", "false", "no"):
         return PreloadPlan(None, "off (VLLM_METAL_TCMALLOC=0)")
     if choice.lower() not in ("auto", "1", "on", "true", "yes"):

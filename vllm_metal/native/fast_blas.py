@@ -260,7 +260,9 @@ def preload() -> tuple[str | None, str]:
     if not sys.platform.startswith("linux"):
         status = (None, "not needed on this OS")
         return status
-    choice = os.environ.get("VLLM_METAL_BLAS", "auto").strip() or "auto"
+    from vllm_metal import envs  # (no MLX import: safe before mlx.core)
+
+    choice = (envs.get("VLLM_METAL_BLAS") or "auto").strip() or "auto"
     if choice == "reference":
         status = (None, "VLLM_METAL_BLAS=reference: keeping MLX's bundled reference BLAS")
         return status

@@ -36,6 +36,8 @@ import os
 import re
 import sys
 
+from vllm_metal import envs
+
 CHOICES = ("auto", "mkl", "openblas")
 # MKL_ENABLE_INSTRUCTIONS for each VLLM_METAL_CPU_ISA cap.
 MKL_ISA = {"avx2": "AVX2", "generic": "SSE4_2"}
@@ -44,7 +46,7 @@ MKL_ISA = {"avx2": "AVX2", "generic": "SSE4_2"}
 def choice(environ=None) -> str:
     """VLLM_METAL_SGEMM, checked: one of CHOICES or a path to a library."""
     environ = os.environ if environ is None else environ
-    value = (environ.get("VLLM_METAL_SGEMM") or "auto").strip() or "auto"
+    value = (envs.get("VLLM_METAL_SGEMM", environ) or "auto").strip() or "auto"
     if value in CHOICES or "/" in value:
         return value
     raise ValueError(f"VLLM_METAL_SGEMM={value!r}: use 'auto', 'mkl', 'openblas' or a path to libmkl_rt")
