@@ -69,9 +69,31 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def config_doctor(args, path) -> int:
+    """`doctor --model CONFIG`: the model's memory from its config alone."""
+    from vllm_metal.doctor.model_memory import format_memory, memory_report, read_config
+
+    try:
+        report = memory_report(read_config(path), quant=args.quant, max_model_len=args.max_model_len,
+                               cache_dtype=args.kv_cache_dtype)
+    except (OSError, ValueError) as e:  # unreadable JSON, an unknown --quant or quantization method
+        print(f"vllm-metal doctor: {path}: {e}", file=sys.stderr)
+        return 2
+    report["path"] = str(path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(format_memory(report)))
+    return 0 if report["served"] and report.get("here", {}).get("fits", True) else 1
+
+
 def doctor(args) -> int:
     from vllm_metal.doctor.capabilities import capabilities, model_check
+    from vllm_metal.doctor.model_memory import config_only
 
+    config = config_only(args.model) if args.model else None
+    if config is not None:
+        return config_doctor(args, config)
     report = capabilities()
     if args.model:
         report["model"] = model_check(args.model)
@@ -103,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("doctor", help="report what runs on this machine and what is inert")
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
     d.add_argument("--model", metavar="PATH", help="also say whether this model (a directory, a GGUF file) will "
-                   "be served, its format, quantization and bytes in memory (the load-time checks)")
+                   "be served, its format, quantization and bytes in memory (the load-time checks); a config.json "
+                   "(or a directory holding only one): its memory computed from the config alone")
+    d.add_argument("--quant", metavar="Q", help="with --model CONFIG: the weights quantized as asked "
+                   "(3bit, 4bit, 5bit, 6bit, 8bit: MLX affine, group 64; q4_k_m, q8_0: a llama.cpp GGUF)")
+    d.add_argument("--max-model-len", type=int, default=32768, help="with --model CONFIG: the context whose KV "
+                   "cache is sized (default 32768)")
+    d.add_argument("--kv-cache-dtype", default="auto", help="with --model CONFIG: auto (the model dtype), fp8, "
+                   "fp8_e4m3, fp8_e5m2, fp8_per_token_head")
     d.set_defaults(func=doctor)
     args = parser.parse_args(argv)
     return args.func(args)

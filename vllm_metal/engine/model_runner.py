@@ -117,8 +117,7 @@ class MetalModelRunner:
         if dtype is None:
             raise ValueError(f"dtype {self.model_config.dtype} is not supported by vllm-metal "
                              "(use float32, float16 or bfloat16)")
-        choice = (envs.get("VLLM_METAL_DEQUANTIZE") or "auto").strip().lower()
-        dequantize = self.device == "cpu" if choice == "auto" else choice in ("1", "true", "yes")
+        dequantize = envs.cpu_auto_switch("VLLM_METAL_DEQUANTIZE", self.device)
         if self.is_pooling:
             self.pooling = PoolingSide(self, dtype, dequantize, fuse_projections_enabled(self.device),
                                        cpu_norm_rope_enabled(self.device))

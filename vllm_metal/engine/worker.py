@@ -66,7 +66,52 @@ class MetalWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("vllm-metal loads real weights only (no dummy load format)")
+        self.check_fit()
         self.model_runner.load_model()
+
+    def check_fit(self) -> None:
+        """Refuses, before any weight is read, a model whose weights and one
+        request of --max-model-len cannot fit in the memory this worker will
+        give them, with the numbers and the flag that fixes it (native/fit.py;
+        vLLM's own check after loading still runs). Here rather than in the
+        platform's config check: the device's memory is Metal's to say, and
+        Metal must not be touched in the API process before the engine's is
+        started. A checkpoint the arithmetic cannot read is left to the load."""
+        from vllm_metal import envs
+        from vllm_metal.models.footprint import checkpoint_footprint
+        from vllm_metal.engine.kv_specs import kv_cache_dtype
+        from vllm_metal.native import fit
+
+        config, cache, parallel = self.model_config, self.cache_config, self.parallel_config
+        expand = envs.cpu_auto_switch("VLLM_METAL_DEQUANTIZE", self.device_name)
+        try:
+            fp = checkpoint_footprint(config.model, config.hf_config_path, self.device_name,
+                                      str(config.dtype).removeprefix("torch."))
+        except Exception as e:  # noqa: BLE001 -- the load says what is wrong with the checkpoint
+            logger.info("vllm-metal: memory not checked before loading (%s: %s)", type(e).__name__, e)
+            return
+        if not fp.served:
+            return  # the load refuses it, naming why
+        plan = fp.plan(config.max_model_len, kv_cache_dtype(self.vllm_config), block_size=cache.block_size,
+                       in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+                       hybrid_manager=not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+                       align=cache.mamba_cache_mode == "align")
+        local_ranks = max(parallel.world_size // max(parallel.nnodes, 1), 1)
+        device = fit.Device(self.device_name, memory.device_total_memory(self.device_name) // local_ranks,
+                            cache.gpu_memory_utilization, cache.kv_cache_memory_bytes)
+        how = (f"{fp.quant}, " + ("expanded to " if expand else "kept packed, the rest in ") + fp.dtype
+               if fp.packed != fp.expanded else fp.dtype)
+        # A pooling model's cache holds prompts in flight only; --num-gpu-blocks-override sizes it by blocks.
+        judged = not self.model_runner.is_pooling and cache.num_gpu_blocks_override is None
+        result = fit.check(fp.weights(expand), fp.layers if judged else [], plan, device,
+                           share=parallel.world_size, label=config.model, weights_note=how,
+                           smaller_weights=fp.four_bit, packed_weights=fp.packed,
+                           auto_length=getattr(config, "original_max_model_len", 0) == -1)
+        if not result.fits:
+            raise ValueError(result.message)
+        logger.info("vllm-metal: %s fits: weights %.2f GiB, one request of %d tokens %.2f GiB of KV cache, "
+                    "%.2f GiB for the KV cache (before loading)", config.model, result.weights / 2**30,
+                    config.max_model_len, result.kv_needed / 2**30, result.available / 2**30)
 
     def get_model(self):
         return self.model_runner.mlx_model
