@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vllm_metal"
 # Lowest first. A module may import (at top level or inside a function) only
 # from its own folder or a lower rank. A new folder needs a rank here.
 RANKS = {"": 0, "native": 1, "formats": 2, "distributed": 3, "models": 4, "multimodal": 5, "adapters": 6,
-         "pooling": 7, "kv": 8, "speculative": 9, "doctor": 10, "engine": 11}
+         "pooling": 7, "kv": 8, "speculative": 9, "engine": 10, "doctor": 11}
 # The package root arms the fast-BLAS import hook; __main__ runs the doctor CLI.
 EXEMPT = {"__init__.py", "__main__.py"}
 MAX_LINES = 400

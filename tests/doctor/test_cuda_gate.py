@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import engine, greedy
 
-from vllm_metal.doctor import capabilities, cli, cuda_gate
+from vllm_metal.doctor import capabilities, cli
+from vllm_metal.engine import cuda_gate
 
 CUDA_EXTENSIONS = ("vllm._C", "vllm._moe_C", "vllm._flashmla_C", "vllm.vllm_flash_attn", "flash_attn",
                    "flashinfer", "deep_gemm", "vllm._custom_ops_C")
@@ -158,4 +159,4 @@ def test_docs_table_is_generated_from_the_gate():
     assert set(cuda_gate.FLAGS) == {p.key for p in cuda_gate.CUDA_PATHS}
     text = (Path(__file__).resolve().parents[2] / "docs" / "capabilities.md").read_text()
     block = text.split("<!-- cuda-paths:begin")[1].split("-->", 1)[1].split("<!-- cuda-paths:end -->")[0]
-    assert block.strip() == cuda_gate.markdown_table(), "regenerate: python -m vllm_metal.doctor.cuda_gate"
+    assert block.strip() == cuda_gate.markdown_table(), "regenerate: python -m vllm_metal.engine.cuda_gate"

@@ -32,7 +32,7 @@ def format_report(r: dict) -> str:
                  + ("" if e["loaded"] else " (not loadable)"))
     lines.append(f"attention   {a['name']}: {a['reason']}")
     if "cpu_kernels" in r:
-        from vllm_metal.doctor.capabilities import cpu_kernels_line
+        from vllm_metal.engine.startup_line import cpu_kernels_line
 
         lines.append(f"cpu kernels {cpu_kernels_line(r['cpu_kernels'])}")
     if "kv_cache" in r:

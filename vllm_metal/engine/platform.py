@@ -112,14 +112,14 @@ class MetalPlatform(Platform):
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         # vLLM's torch attention layers are never built (the model is MLX).
-        from vllm_metal.doctor.cuda_gate import reject_attention_backend
+        from vllm_metal.engine.cuda_gate import reject_attention_backend
 
         reject_attention_backend(selected_backend)
         return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        from vllm_metal.doctor.cuda_gate import reject_quantization
+        from vllm_metal.engine.cuda_gate import reject_quantization
 
         reject_quantization(quant)
 
@@ -195,7 +195,7 @@ class MetalPlatform(Platform):
     def apply_config_platform_defaults(cls, vllm_config) -> None:
         """Sees the user's config before vLLM fills in its defaults: the place
         to notice explicit requests for CUDA-only paths (see cuda_gate)."""
-        from vllm_metal.doctor.cuda_gate import gate_config
+        from vllm_metal.engine.cuda_gate import gate_config
 
         gate_config(vllm_config)
 

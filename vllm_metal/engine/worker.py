@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from vllm_metal.engine import upstream_patches  # noqa: E402
 from vllm_metal.native import memory
-from vllm_metal.doctor.capabilities import short_report  # noqa: E402
+from vllm_metal.engine.startup_line import startup_line  # noqa: E402
 from vllm_metal.engine.model_runner import MetalModelRunner  # noqa: E402
 from vllm_metal.engine.platform import mlx_device_name  # noqa: E402
 
@@ -53,7 +53,7 @@ class MetalWorker(WorkerBase):
         upstream_patches.patch_torch_accelerator()  # see the module: vLLM's shutdown path
         set_random_seed(self.model_config.seed)
         mx.random.seed(self.model_config.seed or 0)
-        logger.info("vllm-metal: %s", short_report(self.device_name))
+        logger.info("vllm-metal: %s", startup_line(self.device_name))
         self.joined = None
         if self.parallel_config.world_size > 1:
             from vllm_metal.distributed.join import join

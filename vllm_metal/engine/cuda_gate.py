@@ -20,7 +20,7 @@ from vllm_metal.speculative.serving_config import refused_method
 
 # Under vLLM's "vllm" logger (its handlers), without importing vLLM: the
 # doctor uses this table on machines without vLLM too.
-logger = logging.getLogger("vllm.vllm_metal.doctor.cuda_gate")
+logger = logging.getLogger("vllm.vllm_metal.engine.cuda_gate")
 
 
 def _cudagraphs(cfg) -> str | None:
@@ -205,7 +205,7 @@ FLAGS: dict[str, str] = {
 
 
 def markdown_table() -> str:
-    """The table in docs/capabilities.md (regenerate: python -m vllm_metal.doctor.cuda_gate)."""
+    """The table in docs/capabilities.md (regenerate: python -m vllm_metal.engine.cuda_gate)."""
     lines = ["| path | why it is inert or refused here | what vllm-metal does instead | how a user asks for it | when asked |",
              "|---|---|---|---|---|"]
     for p in CUDA_PATHS:
