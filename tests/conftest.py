@@ -27,6 +27,7 @@ from vllm_metal.native import ops  # noqa: F401  (must precede any other mlx imp
 # pytest-xdist's --dist loadfile each file runs whole on one worker, in collection order: started
 # first, the long files overlap the many short ones instead of running alone at the end.
 LONG_FILES = (
+    "tests/install/test_vllm_empty_route.py",
     "tests/speculative/test_engine_speculation.py",
     "tests/speculative/test_mtp.py",
     "tests/models/test_model_families.py",

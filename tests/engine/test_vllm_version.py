@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_installed_versions_are_the_pinned_ones():
-    assert metadata.version("vllm") == versions.VLLM
+    # (On a Mac: vLLM built for the empty target, "0.33.0+empty": docs/install.md.)
+    assert metadata.version("vllm").split("+")[0] == versions.VLLM
     assert versions.vllm_supported(metadata.version("vllm"))
     assert metadata.version("mlx") == versions.MLX
     assert metadata.version("mlx-lm") == versions.MLX_LM
@@ -35,7 +36,13 @@ def test_torchvision_pin_is_vllms_and_loads():
 
     requirements = [Requirement(line) for line in metadata.requires("vllm") or []]
     pins = {r.name: str(r.specifier) for r in requirements if r.marker is None}
-    assert pins["torch"] == f"=={versions.TORCH}" and pins["torchvision"] == f"=={versions.TORCHVISION}"
+    if metadata.version("vllm").endswith("+empty"):
+        # vLLM built for the empty target (a Mac) declares no torch: the set-up installs
+        # versions.TORCH / TORCHVISION, the pins the check below holds them to where vLLM declares them.
+        assert "torch" not in pins
+        assert metadata.version("torch").split("+")[0] == versions.TORCH
+    else:
+        assert pins["torch"] == f"=={versions.TORCH}" and pins["torchvision"] == f"=={versions.TORCHVISION}"
     boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.1]])
     assert torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8]), 0.5).tolist() == [0]
 
