@@ -150,6 +150,7 @@ NB_MODULE(_ext, m) {
       "slots"_a,
       "traditional"_a,
       nb::kw_only(),
+      "in_place"_a = false,
       "stream"_a = nb::none(),
       "Lazy RoPE of q and k by a per-token table and the rotated keys' and the values' cache write, "
       "on MLX's CPU device: returns [rotated q, key_cache', value_cache'] "
@@ -162,9 +163,9 @@ NB_MODULE(_ext, m) {
          const mx::array& block_tables, const mx::array& seq_lens, const mx::array& cu_seqlens_q,
          const mx::array& o_weight, const mx::array& post_norm, const mx::array& gate_up_weight,
          const mx::array& down_weight, int heads, int kv_heads, int head_dim, float input_eps, float post_eps,
-         float scale, int sliding_window, bool traditional, mx::StreamOrDevice s) {
+         float scale, int sliding_window, bool traditional, bool in_place, mx::StreamOrDevice s) {
         vllm_metal::DecoderLayerParams p{heads, kv_heads, head_dim, input_eps, post_eps, scale, sliding_window,
-                                         traditional};
+                                         traditional, in_place};
         return vllm_metal::decoder_layer(x, input_norm, qkv_weight, table, key_cache, value_cache, slots,
                                          block_tables, seq_lens, cu_seqlens_q, o_weight, post_norm,
                                          gate_up_weight, down_weight, p, s);
@@ -172,7 +173,7 @@ NB_MODULE(_ext, m) {
       "x"_a, "input_norm"_a, "qkv_weight"_a, "table"_a, "key_cache"_a, "value_cache"_a, "slots"_a,
       "block_tables"_a, "seq_lens"_a, "cu_seqlens_q"_a, "o_weight"_a, "post_norm"_a, "gate_up_weight"_a,
       "down_weight"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "head_dim"_a, "input_eps"_a, "post_eps"_a,
-      "scale"_a, "sliding_window"_a, "traditional"_a, "stream"_a = nb::none(),
+      "scale"_a, "sliding_window"_a, "traditional"_a, "in_place"_a = false, "stream"_a = nb::none(),
       "Lazy llama-shaped decoder layer (norm, q/k/v, RoPE + KV write, paged attention, output product and "
       "residual, norm, gate/up, SwiGLU, down product and residual) as one primitive on MLX's CPU device: "
       "returns [out, key_cache', value_cache'] (see vllm_metal.native.ops.decoder_layer).");

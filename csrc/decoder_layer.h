@@ -41,6 +41,7 @@ struct DecoderLayerParams {
   float scale;  // attention score scale
   int sliding_window;  // <= 0: off
   bool traditional;  // RoPE pairs (2i, 2i + 1) instead of (i, i + rotated / 2)
+  bool in_place = false;  // the caches' outputs always take the inputs' buffers (an alias write, op_util.h)
 
   bool operator==(const DecoderLayerParams&) const = default;
 };

@@ -115,12 +115,13 @@ void DecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   auto cu_seqlens_q = read_index_ints(inputs[kCuSeqlens]);
   validate_attention_batch(g, seq_lens, cu_seqlens_q, bt, "decoder_layer");
 
-  // Only now (nothing was wrong) the outputs: the caches' buffers donated when nothing else holds them.
+  // Only now (nothing was wrong) the outputs: the caches' buffers donated when nothing else holds them
+  // (always taken with params_.in_place: an alias write).
   release_sibling_inputs(inputs, outputs);
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   bool copy[2] = {false, false};
-  take_cache_buffers(inputs, kKeyCache, outputs, copy);
+  take_cache_buffers(inputs, kKeyCache, outputs, copy, params_.in_place);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) {

@@ -78,12 +78,16 @@ inline void release_sibling_inputs(const std::vector<mx::array>& inputs, std::ve
 // take the buffers of inputs[first] and inputs[first + 1] where MLX lets
 // them be donated (row-contiguous, nothing else holds them: written in
 // place), else get fresh ones; copy[i] then says the task must first copy
-// the input there (copy_4d_any_layout).
+// the input there (copy_4d_any_layout). `in_place` (an alias write): a
+// row-contiguous input cache's buffer is taken even while something else
+// holds it -- the caller's promise that every reader of the old contents
+// precedes this write in stream order (layers sharing one vLLM KV-cache
+// tensor: the earlier layer's attention feeds this layer's input).
 inline void take_cache_buffers(const std::vector<mx::array>& inputs, int first, std::vector<mx::array>& outputs,
-                               bool (&copy)[2]) {
+                               bool (&copy)[2], bool in_place = false) {
   for (int i = 0; i < 2; ++i) {
     const auto& in = inputs[first + i];
-    copy[i] = !(in.flags().row_contiguous && in.is_donatable());
+    copy[i] = !(in.flags().row_contiguous && (in_place || in.is_donatable()));
     if (copy[i]) {
       outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
     } else {

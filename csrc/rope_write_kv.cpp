@@ -20,7 +20,7 @@ namespace {
 std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, const mx::array& v,
                                      const mx::array& table, const mx::array& key_cache,
                                      const mx::array& value_cache, const mx::array& slots, bool traditional,
-                                     mx::StreamOrDevice s) {
+                                     bool in_place, mx::StreamOrDevice s) {
   std::ostringstream os;
   if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) {
     os << "q, k and v must be [tokens, heads, dim], got " << q.shape() << ", " << k.shape() << ", " << v.shape();
@@ -40,7 +40,7 @@ std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, con
   if (k.dtype() != dtype || v.dtype() != dtype) {
     fail("k and v must have q's dtype");
   }
-  if (table.ndim() != 3 || table.shape(0) != tokens || table.shape(2) != 2 || table.shape(1) < 1 ||
+  if (table.ndim() != 3 || table.shape(0) != tokens || table.shape(2) != 2 || table.shape(1) < 0 ||
       2 * table.shape(1) > dim || table.dtype() != mx::float32) {
     os << "table must be float32 [tokens, rotated / 2, 2] with tokens = " << tokens << " and rotated <= dim = "
        << dim << ", got " << table.shape() << " " << table.dtype();
@@ -66,7 +66,7 @@ std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, con
   std::vector<mx::array> inputs = {q, k, v, mx::contiguous(table, false, stream), key_cache, value_cache,
                                    mx::contiguous(slots, false, stream)};
   return mx::array::make_arrays({q.shape(), key_cache.shape(), value_cache.shape()}, {dtype, dtype, dtype},
-                                std::make_shared<RopeWriteKV>(stream, traditional), std::move(inputs));
+                                std::make_shared<RopeWriteKV>(stream, traditional, in_place), std::move(inputs));
 }
 
 void RopeWriteKV::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

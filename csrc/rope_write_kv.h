@@ -30,15 +30,18 @@ namespace mx = mlx::core;
 // kv_heads, dim] of q's dtype; slots int32 [tokens]: a token's slot
 // (block * block_size + offset), -1 (or anything outside the cache) for
 // none. Returns the lazy {rotated q (row-contiguous), key_cache',
-// value_cache'}.
+// value_cache'}. A table of no pairs ([tokens, 0, 2]) rotates nothing (a
+// plain write). in_place: the caches' outputs always take the input caches'
+// buffers (an alias write, take_cache_buffers), never a copy.
 std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, const mx::array& v,
                                      const mx::array& table, const mx::array& key_cache,
                                      const mx::array& value_cache, const mx::array& slots, bool traditional,
-                                     mx::StreamOrDevice s = {});
+                                     bool in_place = false, mx::StreamOrDevice s = {});
 
 class RopeWriteKV : public mx::Primitive {
  public:
-  RopeWriteKV(mx::Stream stream, bool traditional) : mx::Primitive(stream), traditional_(traditional) {}
+  RopeWriteKV(mx::Stream stream, bool traditional, bool in_place = false)
+      : mx::Primitive(stream), traditional_(traditional), in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -47,7 +50,8 @@ class RopeWriteKV : public mx::Primitive {
     return {inputs[0].shape(), inputs[kKeyCache].shape(), inputs[kValueCache].shape()};
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return traditional_ == static_cast<const RopeWriteKV&>(other).traditional_;
+    const auto& o = static_cast<const RopeWriteKV&>(other);
+    return traditional_ == o.traditional_ && in_place_ == o.in_place_;
   }
   const char* name() const override {
     return "RopeWriteKV";
@@ -60,6 +64,7 @@ class RopeWriteKV : public mx::Primitive {
 
  private:
   bool traditional_;
+  bool in_place_;
 };
 
 } // namespace vllm_metal

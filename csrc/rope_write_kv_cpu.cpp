@@ -26,7 +26,7 @@ void RopeWriteKV::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   auto& q_out = outputs[0];
   q_out.set_data(mx::allocator::malloc(q_out.nbytes()));
   bool copy[2] = {false, false};
-  take_cache_buffers(inputs, kKeyCache, outputs, copy);
+  take_cache_buffers(inputs, kKeyCache, outputs, copy, in_place_);
   const auto& q = inputs[0];
   const auto& k = inputs[1];
   const auto& kc = inputs[kKeyCache];

@@ -10,7 +10,7 @@ import json
 import pytest
 from families import FAMILIES, build
 
-from vllm_metal.models.footprint import footprint, layer_caches, serving_dtype, use_more_bits
+from vllm_metal.models.footprint import DTYPE_BYTES, footprint, layer_caches, serving_dtype, use_more_bits
 from vllm_metal.models.registry import quant_format
 
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
@@ -55,6 +55,13 @@ def test_kv_layers_and_windows():
     # vLLM plans the windowed layer as full beside a full one (hybrid manager off): 2 layers x K, V x 2 heads x 64
     assert fp.kv_bytes(32768) == 2 * 2 * 2 * 64 * 2 * 32768
     assert fp.kv_bytes(32768, "fp8") == 2 * 2 * 2 * 64 * 32768
+    # On MLX's CPU device the platform leaves vLLM's hybrid manager on for it: the windowed layer
+    # holds cdiv(min(window - 1 + in flight, length), block) + 1 blocks.
+    cpu = footprint(config, device="cpu")
+    assert cpu.hybrid_manager and not fp.hybrid_manager
+    window_blocks = -(-(128 - 1 + 2 * 2048) // 16) + 1
+    row = 2 * 2 * 64 * DTYPE_BYTES[cpu.dtype]  # K and V x 2 heads x 64
+    assert cpu.kv_bytes(32768) == row * (32768 + window_blocks * 16)
 
 
 def test_awq_keeps_embedding_and_head_in_float():

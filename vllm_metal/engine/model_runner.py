@@ -182,17 +182,15 @@ class MetalModelRunner:
         m = self.mlx_model
         if m is None:  # an encoder: no cache
             return
-        self.block_sizes, self.group_windows, layer_group = kv_specs.cache_groups(config, m, self.layer_name)
+        self.block_sizes, self.group_windows, _ = kv_specs.cache_groups(config, m, self.layer_name)
         self.align_groups = kv_specs.align_state_groups(config)
         if self.align_groups:
             self.state_index = AlignedStateIndex(self.block_sizes[self.align_groups[0]])
         # Block 0 is vLLM's null block: allocated, never handed to a request.
-        self.kv = m.allocate_kv(config.num_blocks, self.block_sizes, layer_group,
-                                kv_cache_dtype=kv_specs.kv_cache_dtype(self.vllm_config))
+        self.kv = kv_specs.allocate(self.vllm_config, config, m, self.layer_name, self.block_sizes)
         if self.draft is not None:  # the draft model's own cache, addressed by the same block tables
-            _, _, draft_groups = kv_specs.cache_groups(config, self.draft.model, self.draft.layer_name)
-            self.draft.kv = self.draft.model.allocate_kv(config.num_blocks, self.block_sizes, draft_groups,
-                                                         kv_cache_dtype=kv_specs.kv_cache_dtype(self.vllm_config))
+            self.draft.kv = kv_specs.allocate(self.vllm_config, config, self.draft.model, self.draft.layer_name,
+                                              self.block_sizes)
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,

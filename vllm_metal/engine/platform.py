@@ -142,8 +142,8 @@ class MetalPlatform(Platform):
     def support_hybrid_kv_cache(cls) -> bool:
         # vLLM's hybrid KV-cache manager (one KV-cache group per kind of
         # layer): hybrid linear-attention models need it for their state
-        # slots (a Mamba group); check_and_update_config keeps it off for
-        # every other model, as before.
+        # slots (a Mamba group), sliding-window models on MLX's CPU device
+        # their windows' blocks (_shares_window_blocks); off for the others.
         return True
 
     @classmethod
@@ -248,7 +248,8 @@ class MetalPlatform(Platform):
         if not cache.user_specified_block_size:
             cache.block_size = 16
         hybrid = vllm_config.model_config is not None and vllm_config.model_config.is_hybrid
-        if not hybrid and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is None:
+        if (not hybrid and not cls._shares_window_blocks(vllm_config)
+                and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is None):
             vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
         model = vllm_config.model_config
         if hybrid and (cache.mamba_cache_dtype != "auto" or cache.mamba_ssm_cache_dtype != "auto"):
@@ -291,6 +292,16 @@ class MetalPlatform(Platform):
             logger.info("vllm-metal: async scheduling off with a KV connector (its loads and saves wait "
                         "for each step's evaluation, and a failed load must roll back before the next step)")
             vllm_config.scheduler_config.async_scheduling = False
+
+    @staticmethod
+    def _shares_window_blocks(vllm_config) -> bool:
+        """vLLM's hybrid manager stays vLLM's choice for sliding-window models on
+        MLX's CPU device: windows hold their blocks only, one array pair per
+        vLLM tensor shared by a layer of each group (kv_specs.layer_shares),
+        written by the later layers as an alias (native/kv_writes.py). Not on
+        Metal, where MLX's scatter would copy a shared array for each writer."""
+        model = vllm_config.model_config
+        return model is not None and mlx_device_name() == "cpu" and bool(model.get_sliding_window())
 
     @classmethod
     def _configure_parallel(cls, parallel) -> None:

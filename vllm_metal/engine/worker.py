@@ -156,12 +156,13 @@ class MetalWorker(WorkerBase):
             budget = min(budget, pooling_kv_budget(self.vllm_config, per_token))
             logger.info("vllm-metal: a pooling model's KV cache holds prompts in flight: %.1f MiB",
                         budget / 2**20)
-        # vLLM plans one tensor per layer of each cache group, shared across
-        # groups; every layer here has arrays of its own (hybrid models).
+        # vLLM lays its cache groups over one allocation; layers here share
+        # arrays only where their shapes agree (linear-attention states, say,
+        # have their own: kv_specs.kv_bytes_ratio).
         ratio = self.model_runner.kv_bytes_ratio()
         logger.info("vllm-metal KV cache budget: %.2f GiB%s", budget / 2**30,
                     f" (planned as {budget / ratio / 2**30:.2f} GiB: {ratio:.2f}x per planned byte, layers "
-                    "of different cache groups cannot share arrays)" if ratio > 1 else "")
+                    "of different cache groups whose arrays differ cannot share them)" if ratio > 1 else "")
         return int(budget / ratio)
 
     def initialize_from_config(self, kv_cache_config) -> None:

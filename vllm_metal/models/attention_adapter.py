@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from vllm_metal.models.kv_store import LayerArrays, PagedKVCache  # noqa: F401  (re-exported)
 from vllm_metal.native import ops
 
 
@@ -59,64 +60,6 @@ class ImageSpans:
     cu_seqlens: mx.array
     seq_lens: mx.array
     table_rows: mx.array
-
-
-@dataclass
-class PagedKVCache:
-    """The per-layer K/V arrays; layers replace them functionally each step."""
-
-    keys: list[mx.array]
-    values: list[mx.array]
-    layer_group: list[int]  # KV-cache group of each layer
-    step: StepAttentionInputs | None = None
-    # Hook for VLLM_METAL_SYNC_PER_LAYER: called with each layer's outputs.
-    after_layer: object = field(default=None, repr=False)
-    # Arrays a step keeps alive until the next one starts (the state pools'
-    # copy write-back, VLLM_METAL_STATE_WRITEBACK=copy); emptied by each forward.
-    retained: list = field(default_factory=list, repr=False)
-    # vLLM's --kv-cache-dtype: "auto" (caches in the model dtype, `dtype`) or
-    # an 8-bit float ("fp8", "fp8_e4m3", "fp8_e5m2": uint8 caches, per-layer
-    # scales 1.0 as vLLM's without checkpoint scales; "fp8_per_token_head":
-    # each row with its own scale; native/kv_quant.py).
-    kv_cache_dtype: str = "auto"
-    dtype: mx.Dtype = mx.float32
-
-    def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping) -> tuple[mx.array, mx.array]:
-        """Layer `layer`'s K/V for the step's tokens into its cache (kept)."""
-        if self.kv_cache_dtype == "auto":
-            k, v = k.astype(self.keys[layer].dtype), v.astype(self.values[layer].dtype)
-        kc, vc = ops.write_kv(self.keys[layer], self.values[layer], k, v, slot_mapping,
-                              kv_cache_dtype=self.kv_cache_dtype)
-        self.keys[layer], self.values[layer] = kc, vc
-        return kc, vc
-
-    def query(self, q: mx.array) -> tuple[mx.array, dict]:
-        """q in the dtype attention runs in, and the attention's cache arguments."""
-        if self.kv_cache_dtype == "auto":
-            return q.astype(self.dtype), {}
-        return q.astype(self.dtype), {"kv_cache_dtype": self.kv_cache_dtype}
-
-    def arrays(self) -> list[mx.array]:
-        """Every cache array (layers sharing another's cache, and MLA's absent V, hold None)."""
-        return [a for a in self.keys + self.values if a is not None]
-
-    def layer_views(self) -> list["LayerCacheView"]:
-        return [LayerCacheView(self, i) for i in range(len(self.keys))]
-
-    def copy_blocks(self, pairs) -> None:
-        """Block `dst` of every cache array becomes a copy of block `src`, for
-        each (src, dst) pair: vLLM's `kv_cache_block_copies` (its prefix
-        cache's copy-on-write of a partially matched block). Functional and
-        lazy, like the step's writes: the step's graph starts from the copies.
-        Block ids index every group's arrays alike (one pool of ids)."""
-        index = np.asarray(pairs, np.int64).reshape(-1, 2)
-        src, dst = mx.array(index[:, 0].astype(np.int32)), mx.array(index[:, 1].astype(np.int32))
-        for arrays in (self.keys, self.values):
-            for i, a in enumerate(arrays):
-                if a is not None:
-                    copied = mx.array(a)  # a second handle: `copied[...] =` rebinds it alone
-                    copied[dst] = a[src]
-                    arrays[i] = copied
 
 
 def attend_image_spans(out: mx.array, q: mx.array, kc: mx.array, vc: mx.array, block_tables: mx.array,
@@ -334,7 +277,8 @@ class PagedAttentionLayer(nn.Module):
         if planned is None:
             return None
         table, traditional = planned
-        q, kc, vc = ops.rope_write_kv(q, k, v, table, kc, vc, slots, traditional=traditional)
+        q, kc, vc = ops.rope_write_kv(q, k, v, table, kc, vc, slots, traditional=traditional,
+                                      in_place=store.alias_write(layer))
         store.keys[layer], store.values[layer] = kc, vc
         return q, kc, vc
 

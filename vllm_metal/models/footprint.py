@@ -171,12 +171,19 @@ class Footprint:
     hybrid: bool = False  # linear-attention layers: vLLM's hybrid KV-cache manager on
     windows: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    device: str = "gpu"  # MLX's device it is served on
+
+    @property
+    def hybrid_manager(self) -> bool:
+        """vLLM's hybrid KV-cache manager on (the platform's default): linear-attention
+        models, and sliding-window models on MLX's CPU device (windows sized to the window)."""
+        return self.hybrid or (self.device == "cpu" and bool(self.windows))
 
     def weights(self, expand: bool) -> int:
         return self.expanded if expand else self.packed
 
     def plan(self, max_model_len: int, cache_dtype: str = "auto", **kw) -> fit.Plan:
-        kw.setdefault("hybrid_manager", self.hybrid)  # vLLM's default: on for hybrid models only (the platform)
+        kw.setdefault("hybrid_manager", self.hybrid_manager)  # the platform's default
         return fit.Plan(max_model_len=max_model_len, cache_dtype=cache_dtype, dtype_bytes=DTYPE_BYTES[self.dtype],
                         **kw)
 
@@ -267,7 +274,7 @@ def footprint(config: dict, *, device: str = "gpu", dtype: str | None = None, qu
     config = {**config, **text_config_fixes(config)}
     dtype = serving_dtype(config, device, dtype)
     q = quant_of(config, quant)
-    result = Footprint(model_type=config.get("model_type"), served=False, reason="", dtype=dtype,
+    result = Footprint(model_type=config.get("model_type"), served=False, reason="", dtype=dtype, device=device,
                        quant=q.label if q else f"float ({config.get('torch_dtype') or config.get('dtype') or dtype})")
     try:
         family = check_served(result.model_type)

@@ -144,7 +144,8 @@ def _fused_forward(block, plan: LayerPlan, x: mx.array, cache) -> mx.array | Non
     table, traditional = attn.rope_table(step)
     w_in, w_qkv, w_o, w_post, w_gate_up, w_down = weights
     out, kc, vc = decoder_layer(x, w_in, w_qkv, table, kc, vc, slots, step.block_tables[group], step.seq_lens,
-                                step.cu_seqlens_q, w_o, w_post, w_gate_up, w_down, **plan.kwargs(traditional))
+                                step.cu_seqlens_q, w_o, w_post, w_gate_up, w_down, **plan.kwargs(traditional),
+                                in_place=store.alias_write(layer))
     store.keys[layer], store.values[layer] = kc, vc
     return out
 

@@ -111,7 +111,7 @@ class LoadedModel:
         return notes
 
     def allocate_kv(self, num_blocks: int, block_sizes: list[int], layer_group: list[int],
-                    kv_cache_dtype: str = "auto") -> PagedKVCache:
+                    kv_cache_dtype: str = "auto", layer_share: list | None = None) -> PagedKVCache:
         """Zeroed paged caches for every layer that has its own (group g's
         layers use block size block_sizes[g]); MLA layers get their one latent
         cache only (values[i] None), layers sharing another's cache none.
@@ -119,15 +119,20 @@ class LoadedModel:
         keys[i] the convolution states, values[i] the recurrent states (None
         where the layer has none: lfm2's short convolutions). kv_cache_dtype:
         vLLM's --kv-cache-dtype; an 8-bit one makes the attention caches uint8
-        (linear-attention states keep their dtypes)."""
+        (linear-attention states keep their dtypes). layer_share: a key per
+        layer (None: its own arrays, kv_specs.layer_shares): attention layers
+        with one key whose arrays have the same shape and dtype get one pair
+        of arrays (vLLM's KV-cache tensor they share, a layer of each cache
+        group: block ids never overlap between groups)."""
         from vllm_metal.native import kv_quant
 
         cache_dtype = mx.uint8 if kv_quant.cache_format(kv_cache_dtype) else self.dtype
         if cache_dtype == mx.uint8 and any(kv.layout == "latent" for kv in self.layer_kv):
             raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype}: latent attention (MLA) keeps its cache "
                                       "in the model dtype; serve this model with --kv-cache-dtype auto")
-        keys, values = [], []
+        keys, values, layer_slot, shared = [], [], [], {}
         for i, (kv, g) in enumerate(zip(self.layer_kv, layer_group)):
+            layer_slot.append(len(keys))
             if not self.owns(i):  # another pipeline stage's layer
                 keys.append(None)
                 values.append(None)
@@ -138,9 +143,17 @@ class LoadedModel:
                 values.append(mx.zeros((num_blocks, *recurrent[0]), dtype=mx.float32) if recurrent else None)
                 continue
             shape = (num_blocks, block_sizes[g], kv.num_kv_heads, kv_quant.row_bytes(kv_cache_dtype, kv.head_dim))
+            share = layer_share[i] if layer_share is not None and kv.source is None else None
+            if share is not None:
+                key = (share, kv.layout, shape, cache_dtype)
+                if key in shared:  # an earlier layer's arrays
+                    layer_slot[-1] = shared[key]
+                    continue
+                shared[key] = len(keys)
             keys.append(None if kv.source is not None else mx.zeros(shape, dtype=cache_dtype))
             values.append(mx.zeros(shape, dtype=cache_dtype) if kv.source is None and kv.layout == "kv" else None)
-        cache = PagedKVCache(keys, values, layer_group, kv_cache_dtype=kv_cache_dtype, dtype=self.dtype)
+        cache = PagedKVCache(keys, values, layer_group, kv_cache_dtype=kv_cache_dtype, dtype=self.dtype,
+                             layer_slot=layer_slot)
         mx.eval(cache.arrays())
         return cache
 

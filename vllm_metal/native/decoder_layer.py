@@ -38,8 +38,10 @@ def decoder_layer(x: mx.array, input_norm: mx.array, qkv_weight: mx.array, table
                   seq_lens: mx.array, cu_seqlens_q: mx.array, o_weight: mx.array, post_norm: mx.array,
                   gate_up_weight: mx.array, down_weight: mx.array, *, heads: int, kv_heads: int, head_dim: int,
                   input_eps: float, post_eps: float, scale: float, sliding_window: int | None = None,
-                  traditional: bool = False, stream=None) -> tuple[mx.array, mx.array, mx.array]:
+                  traditional: bool = False, in_place: bool = False,
+                  stream=None) -> tuple[mx.array, mx.array, mx.array]:
     """(out in x's shape, key_cache', value_cache'); see the module docstring.
+    in_place: an alias write of the caches (as `rope_write_kv`'s).
     Bad shapes, dtypes or slots raise ValueError here; bad block ids or
     lengths raise from the evaluation (as paged_attention's)."""
     arrays = (("x", x), ("input_norm", input_norm), ("qkv_weight", qkv_weight), ("table", table),
@@ -72,7 +74,8 @@ def decoder_layer(x: mx.array, input_norm: mx.array, qkv_weight: mx.array, table
         x, input_norm, qkv_weight, table, key_cache, value_cache, slots.full, block_tables, seq_lens, cu_seqlens_q,
         o_weight, post_norm, gate_up_weight, down_weight, heads=int(heads), kv_heads=int(kv_heads),
         head_dim=int(head_dim), input_eps=float(input_eps), post_eps=float(post_eps), scale=float(scale),
-        sliding_window=int(sliding_window or 0), traditional=bool(traditional), stream=stream)
+        sliding_window=int(sliding_window or 0), traditional=bool(traditional), in_place=bool(in_place),
+        stream=stream)
     return out, kc, vc
 
 

@@ -9,15 +9,19 @@ KV arithmetic is vLLM 0.33's per-layer `max_memory_usage_bytes`:
 - full attention and latent attention (MLA): cdiv(max_model_len, block) blocks;
 - a sliding window: cdiv(min(window - 1 + in-flight tokens, max_model_len),
   block) + 1 blocks (`SlidingWindowSpec`), but only where vLLM keeps windows:
-  with its hybrid KV-cache manager on, or when every attention layer has one.
-  Otherwise (the manager off, full-attention layers beside windowed ones: the
-  platform turns it off for all but hybrid linear-attention models) vLLM plans
-  the windowed layers as full attention (`_promote_local_kv_cache_specs`);
+  with its hybrid KV-cache manager on (the platform leaves it on for hybrid
+  linear-attention models, and for sliding-window models on MLX's CPU device,
+  where the runner shares one array pair among a layer of each cache group
+  as vLLM plans: unless the attention layers' shapes differ, `windows_kept`),
+  or when every attention layer has one. Otherwise (the manager off,
+  full-attention layers beside windowed ones: Metal) vLLM plans the windowed
+  layers as full attention (`_promote_local_kv_cache_specs`);
 - a linear-attention layer: its state, once (twice under prefix caching's
   "align" mode: `MambaSpec`).
 
 This sum is a lower bound of what vLLM's own check after loading asks (its
-groups and the runner's per-layer arrays only add to it), so a refusal here is
+groups' padding, and the runner's arrays of layers it cannot share, only add
+to it), so a refusal here is
 one vLLM would make later, after loading the weights; that check still runs.
 The available memory is the worker's (engine/worker.py): --gpu-memory-utilization
 x the device's memory (Metal's recommended working set, or RAM on MLX's CPU
@@ -83,9 +87,16 @@ class Plan:
 
 
 def windows_kept(layers: list[LayerCache], hybrid_manager: bool) -> bool:
-    """Whether vLLM sizes windowed layers to their window (see the module)."""
+    """Whether vLLM sizes windowed layers to their window (see the module).
+    With the manager on, beside full-attention layers of another shape and
+    no linear-attention state, the runner declares the windows as full
+    attention (engine/kv_specs.keeps_windows)."""
     attention = [layer for layer in layers if not layer.state_bytes]
-    return hybrid_manager or all(layer.window for layer in attention)
+    if all(layer.window for layer in attention):
+        return True
+    if not hybrid_manager:
+        return False
+    return len(attention) < len(layers) or len({(a.kv_heads, a.head_dim, a.rows) for a in attention}) <= 1
 
 
 def layer_request_bytes(layer: LayerCache, plan: Plan, keep_windows: bool, max_model_len: int | None = None) -> int:

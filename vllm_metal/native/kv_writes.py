@@ -7,6 +7,15 @@
 Each returns the updated caches; nothing is computed until the caller
 evaluates. A write is done in place on the old buffer when the caller holds
 no other reference to the old cache arrays (`kc, vc = write_kv(kc, vc, ...)`).
+
+`in_place=True` (an alias write, MLX's CPU device): the updated caches take
+the old caches' buffers even while other operations still hold them, instead
+of copying the whole cache. The caller promises that every reader of the old
+contents comes before this write in stream order: layers sharing one vLLM
+KV-cache tensor (models/kv_store.PagedKVCache), where a later layer's
+K/V depend, through the residual stream, on the earlier layer's attention.
+Elsewhere (Metal, 8-bit caches, lazy slots) the write is the ordinary one:
+the same result, by a copy when the buffer cannot be donated.
 Layouts as in vllm_metal.native.ops; re-exported there.
 """
 
@@ -28,7 +37,7 @@ import numpy as np  # noqa: E402
 
 def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.array,
              slot_mapping, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
-             v_scale: float = 1.0) -> tuple[mx.array, mx.array]:
+             v_scale: float = 1.0, in_place: bool = False) -> tuple[mx.array, mx.array]:
     """Functional, graph-tracked cache write: returns the updated caches.
 
     Token i's k[i], v[i] land in slot slot_mapping[i] (block * block_size +
@@ -55,7 +64,26 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
         if key_cache.dtype != mx.uint8:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs uint8 caches, got {key_cache.dtype}")
         k, v = kv_quant.encode(k, kv_cache_dtype, float(k_scale)), kv_quant.encode(v, kv_cache_dtype, float(v_scale))
+    elif in_place and _alias_write_ok(key_cache, k, v):
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        slots = _slot_array(slot_mapping, k.shape[0], num_slots)
+        if isinstance(slots, SlotMapping):
+            if slots.full is None:
+                slots.full = mx.array(slots.host.astype(np.int32))
+            # RopeWriteKV with a table of no pairs: the rows copied, nothing rotated.
+            table = mx.zeros((k.shape[0], 0, 2), dtype=mx.float32)
+            _, kc, vc = _ext.rope_write_kv(k, k, v, table, key_cache, value_cache, slots.full, False,
+                                           in_place=True)
+            return kc, vc
     return tuple(_write([key_cache, value_cache], [k, v], ["k", "v"], "key_cache", slot_mapping))
+
+
+def _alias_write_ok(cache: mx.array, k: mx.array, v: mx.array) -> bool:
+    """Whether the RopeWriteKV primitive can make an alias write of k, v into
+    `cache` (MLX's CPU device, one float dtype, K and V rows alike)."""
+    return (_device_of(None).type == mx.DeviceType.cpu and cache.dtype in (mx.float32, mx.float16, mx.bfloat16)
+            and k.dtype == v.dtype == cache.dtype and k.shape == v.shape and k.ndim == 3
+            and k.shape[1:] == cache.shape[2:])
 
 
 def write_cache(cache: mx.array, x: mx.array, slot_mapping) -> mx.array:
@@ -171,7 +199,7 @@ def _slot_array(slot_mapping, num_tokens: int, num_slots: int):
 
 
 def rope_write_kv(q: mx.array, k: mx.array, v: mx.array, table: mx.array, key_cache: mx.array,
-                  value_cache: mx.array, slot_mapping, *, traditional: bool = False,
+                  value_cache: mx.array, slot_mapping, *, traditional: bool = False, in_place: bool = False,
                   stream=None) -> tuple[mx.array, mx.array, mx.array]:
     """`rope` of q and k, then `write_kv` of the rotated k and v, as one
     operation: returns (rotated q, key_cache', value_cache').
@@ -185,7 +213,7 @@ def rope_write_kv(q: mx.array, k: mx.array, v: mx.array, table: mx.array, key_ca
     RopeWriteKV primitive (one operation instead of five, each cache written
     in place when nothing else holds it); elsewhere `rope` and `write_kv`.
     Results are identical either way: the same rotation arithmetic, values
-    copied exactly.
+    copied exactly. in_place: an alias write (module docstring).
     """
     for name, value in (("q", q), ("k", k), ("v", v), ("table", table), ("key_cache", key_cache),
                         ("value_cache", value_cache)):
@@ -204,9 +232,9 @@ def rope_write_kv(q: mx.array, k: mx.array, v: mx.array, table: mx.array, key_ca
     if _device_of(stream).type != mx.DeviceType.cpu:
         q_rot, k_rot = rope(q, table, traditional=traditional, stream=stream), \
             rope(k, table, traditional=traditional, stream=stream)
-        return (q_rot, *write_kv(key_cache, value_cache, k_rot, v, slots))
+        return (q_rot, *write_kv(key_cache, value_cache, k_rot, v, slots, in_place=in_place))
     if slots.full is None:
         slots.full = mx.array(slots.host.astype(np.int32))
     q_rot, kc, vc = _ext.rope_write_kv(q, k, v, table, key_cache, value_cache, slots.full, bool(traditional),
-                                       stream=stream)
+                                       in_place=bool(in_place), stream=stream)
     return q_rot, kc, vc
