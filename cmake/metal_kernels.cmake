@@ -5,6 +5,7 @@
 #
 #   metal/paged_attention.metal -> paged_attention_metal_source.h (kPagedAttentionMetalSource)
 #   metal/gated_delta.metal     -> gated_delta_metal_source.h     (kGatedDeltaMetalSource)
+#   metal/write_kv.metal        -> write_kv_metal_source.h        (kWriteKVMetalSource)
 #
 # Sets VLLM_METAL_SOURCES (to add to the extension's sources; the paged-
 # attention header first) and VLLM_METAL_INCLUDE_DIRS (for the extension's
@@ -32,10 +33,13 @@ endfunction()
 vllm_embed_metal_source(paged_attention.metal paged_attention_metal_source.h
                         kPagedAttentionMetalSource)
 vllm_embed_metal_source(gated_delta.metal gated_delta_metal_source.h kGatedDeltaMetalSource)
+vllm_embed_metal_source(write_kv.metal write_kv_metal_source.h kWriteKVMetalSource)
 
 set(VLLM_METAL_SOURCES
     "${_vllm_metal_generated}/paged_attention_metal_source.h"
     "${_vllm_metal_generated}/gated_delta_metal_source.h"
+    "${_vllm_metal_generated}/write_kv_metal_source.h"
     csrc/paged_attention_metal.cpp
-    csrc/gated_delta_metal.cpp)
+    csrc/gated_delta_metal.cpp
+    csrc/rope_write_kv_metal.cpp)
 set(VLLM_METAL_INCLUDE_DIRS "${_vllm_metal_generated}" "${_vllm_metal_dir}")

@@ -1,4 +1,5 @@
-// The RoPE + KV-write op (validation, the lazy arrays) and its GPU refusal.
+// The RoPE + KV-write op (validation, the lazy arrays). eval_gpu: rope_write_kv_metal.cpp
+// (the write-only form on Metal) or rope_write_kv_no_metal.cpp.
 #include "rope_write_kv.h"
 
 #include <sstream>
@@ -67,12 +68,6 @@ std::vector<mx::array> rope_write_kv(const mx::array& q, const mx::array& k, con
                                    mx::contiguous(slots, false, stream)};
   return mx::array::make_arrays({q.shape(), key_cache.shape(), value_cache.shape()}, {dtype, dtype, dtype},
                                 std::make_shared<RopeWriteKV>(stream, traditional, in_place), std::move(inputs));
-}
-
-void RopeWriteKV::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "[rope_write_kv] the RopeWriteKV primitive runs on MLX's CPU device only; on the GPU, call the "
-      "model's RoPE module (MLX's fused mx.fast.rope) and vllm_metal.native.ops.write_kv");
 }
 
 } // namespace vllm_metal

@@ -10,8 +10,11 @@
 // key and copies each value straight into its cache slot. The caches are
 // written in place when MLX lets their buffers be donated (nothing else
 // holds them, as with the scatter it replaces); otherwise the output is a
-// copy. On Metal the adapter keeps MLX's fused RoPE and scatter, and
-// eval_gpu refuses, naming them.
+// copy. On Metal the adapter keeps MLX's fused RoPE and scatter; eval_gpu
+// (rope_write_kv_metal.cpp) runs only the write-only form (a table of no
+// pairs: kv_writes.write_kv(..., in_place=True), the alias write of layers
+// sharing a KV tensor) as the Metal kernel of metal/write_kv.metal, and
+// refuses RoPE, naming MLX's.
 #pragma once
 
 #include <vector>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # macOS compile check, runnable on Linux: syntax-checks the Metal-only C++
-# (csrc/paged_attention_metal.cpp and csrc/gated_delta_metal.cpp: eval_gpu and
-# the Metal library loading)
+# (csrc/paged_attention_metal.cpp, csrc/gated_delta_metal.cpp and
+# csrc/rope_write_kv_metal.cpp: eval_gpu and the Metal library loading)
 # against the real MLX 0.32.4 macOS headers and metal-cpp, taken from PyPI's
 # mlx-metal==0.32.4 macOS wheel, with stubs for the Apple system headers
 # (tests/metal/apple_stubs). A misspelt or mistyped MLX/Metal API call fails it.
@@ -11,7 +11,8 @@
 #
 #   scripts/check_metal_compile.sh [source.cpp ...]
 #
-# Default sources: csrc/paged_attention_metal.cpp, csrc/gated_delta_metal.cpp.
+# Default sources: csrc/paged_attention_metal.cpp, csrc/gated_delta_metal.cpp,
+# csrc/rope_write_kv_metal.cpp.
 # Environment: PYTHON (with
 # pip; default python3), CMAKE (default cmake), CXX (a clang++, needed for
 # Objective-C block types in metal-cpp; default clang++-19 or clang++).
@@ -26,7 +27,8 @@ CMAKE=${CMAKE:-cmake}
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/vllm-metal/mlx-metal-${MLX_VERSION}-macos"
 SOURCES=("$@")
 if [ ${#SOURCES[@]} -eq 0 ]; then
-  SOURCES=("$ROOT/csrc/paged_attention_metal.cpp" "$ROOT/csrc/gated_delta_metal.cpp")
+  SOURCES=("$ROOT/csrc/paged_attention_metal.cpp" "$ROOT/csrc/gated_delta_metal.cpp"
+           "$ROOT/csrc/rope_write_kv_metal.cpp")
 fi
 
 if [ -z "${CXX:-}" ]; then
@@ -71,6 +73,9 @@ trap 'rm -rf "$generated" "${download:-}"' EXIT
 "$CMAKE" "-DINPUT=$ROOT/metal/gated_delta.metal" \
   "-DOUTPUT=$generated/gated_delta_metal_source.h" \
   -DVARIABLE=kGatedDeltaMetalSource -P "$ROOT/cmake/embed_metal_source.cmake"
+"$CMAKE" "-DINPUT=$ROOT/metal/write_kv.metal" \
+  "-DOUTPUT=$generated/write_kv_metal_source.h" \
+  -DVARIABLE=kWriteKVMetalSource -P "$ROOT/cmake/embed_metal_source.cmake"
 
 # 3. Syntax-only, with the flags MLX's CMake package gives Metal builds.
 status=0

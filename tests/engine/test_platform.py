@@ -121,6 +121,27 @@ def test_platform_defaults(monkeypatch):
     assert platform.MetalPlatform().is_cpu() is False  # keeps vLLM off torch.ops._C sampling kernels
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_sliding_window_models_keep_the_hybrid_manager_on_both_devices(monkeypatch, device):
+    """The same rule on Metal as on MLX's CPU device: a sliding-window model
+    keeps vLLM's hybrid KV-cache manager (windows sized to the window; on
+    Metal the shared arrays' later writers use the KV-write kernel in place),
+    a model without windows does not need it."""
+    from types import SimpleNamespace
+
+    from vllm_metal.engine import platform
+
+    monkeypatch.setenv("VLLM_METAL_DEVICE", device)
+    assert platform.mlx_device_name() == device
+
+    def config(window):
+        return SimpleNamespace(model_config=SimpleNamespace(get_sliding_window=lambda: window))
+
+    assert platform.MetalPlatform._shares_window_blocks(config(24))
+    assert not platform.MetalPlatform._shares_window_blocks(config(None))
+    assert not platform.MetalPlatform._shares_window_blocks(SimpleNamespace(model_config=None))
+
+
 KERNEL_IMPORTS = """
 import importlib.abc, json, sys
 attempts = []

@@ -1,5 +1,5 @@
 """Sliding-window models under vLLM's hybrid KV-cache manager (the
-platform's default for them on MLX's CPU device): windowed layers hold only
+platform's default for them, on Metal and MLX's CPU device): windowed layers hold only
 their window's blocks, and a layer of each cache group shares one pair of
 arrays (vLLM lays the groups over one allocation; block ids never overlap
 between groups), the later layers of a step writing it as an alias

@@ -13,9 +13,9 @@ the C++ compiler, both here:
 * Glue: for every `[[host_name]]` instantiation, a thunk that passes
   `[[buffer(n)]]` slots and thread-position attributes to the kernel, found by
   parsing the preprocessed kernel signature. It is registered under its host
-  name, which is how the drivers (msl/paged_attention_driver.cpp and
-  msl/gated_delta_driver.cpp, the stand-ins for eval_gpu) find kernels, as
-  eval_gpu does through MLX.
+  name, which is how the drivers (msl/paged_attention_driver.cpp,
+  msl/gated_delta_driver.cpp and msl/write_kv_driver.cpp, the stand-ins for
+  eval_gpu) find kernels, as eval_gpu does through MLX.
 
 Each kernel library of metal/ (KERNEL_SOURCES) is its own translation unit,
 as it is its own Metal library in the extension.
@@ -85,6 +85,7 @@ def find_cmake() -> str:
 KERNEL_SOURCES = {
     "paged_attention": ("paged_attention.metal", "kPagedAttentionMetalSource"),
     "gated_delta": ("gated_delta.metal", "kGatedDeltaMetalSource"),
+    "write_kv": ("write_kv.metal", "kWriteKVMetalSource"),
 }
 
 
@@ -275,6 +276,7 @@ def build(cache_root: Path | None = None) -> Path:
             MSL / "msl_host_api.cpp",
             MSL / "paged_attention_driver.cpp",
             MSL / "gated_delta_driver.cpp",
+            MSL / "write_kv_driver.cpp",
         ]
         jobs = [(u, work / f"{u.stem}.o") for u in units]
         procs = [subprocess.Popen([cxx, *CXX_FLAGS, *include_flags(), "-c", str(u), "-o", str(o)],

@@ -5,7 +5,8 @@ kernel by host name over numpy buffers (the shim self-tests);
 `paged_attention` runs msl/paged_attention_driver.cpp, the stand-in for
 eval_gpu: same plan, buffer slots, allocation and dispatch order;
 `gated_delta` runs msl/gated_delta_driver.cpp, the stand-in for
-GatedDelta::eval_gpu. Inputs and outputs sit in guarded memory (an
+GatedDelta::eval_gpu; `write_kv` runs msl/write_kv_driver.cpp, the stand-in
+for RopeWriteKV::eval_gpu's cache write. Inputs and outputs sit in guarded memory (an
 out-of-bounds read faults) and outputs start as NaN (an unwritten element
 shows).
 """
@@ -75,6 +76,10 @@ class Executor:
             c.c_uint64]
         self.lib.vm_gated_delta_kernel_name.argtypes = [c.c_char_p, c.c_int, c.c_char_p,
                                                         c.c_uint64]
+        self.lib.vm_write_kv.argtypes = [
+            c.c_char_p, c.c_int, c.POINTER(c.c_int64), c.c_void_p, c.c_int64, c.POINTER(c.c_int64),
+            c.c_void_p, c.c_int64, c.POINTER(c.c_int64), c.c_void_p, c.c_void_p, c.c_void_p, c.c_int,
+            c.c_int, c.c_uint64, c.c_int, c.POINTER(c.c_int64), c.c_char_p, c.c_uint64]
         self.workers = max(1, min(os.cpu_count() or 1, 4))
 
     def kernel_names(self) -> set[str]:
@@ -241,6 +246,44 @@ class Executor:
             y = bf16_bits_to_float(y) if dtype == "bfloat16" else y.astype(np.float32)
         plan = {"grid": tuple(info[:3]), "threads": int(info[3]), "dispatched": bool(info[4])}
         return y, state_out, plan
+
+    def write_kv(self, dtype: str, k, v, slots, key_cache, value_cache, *, in_place: bool = True,
+                 seed: int = 0, at_start: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Runs the KV-cache write kernel as RopeWriteKV::eval_gpu (a table of
+        no pairs) would; returns (key_cache', value_cache', plan info), in the
+        storage dtype, bit for bit.
+
+        k, v [tokens, heads, dim] in the storage dtype of `dtype`, any views
+        of contiguous base arrays (read through their strides, as MLX's
+        views are); slots int32 [tokens]; the caches row-contiguous.
+        `in_place`: the kernel writes into the input caches' buffers (the
+        alias write); else into copies, and the driver checks the inputs
+        stay untouched.
+        """
+        c = ctypes
+        storage, itemsize = DTYPES[dtype]
+        for a in (k, v, key_cache, value_cache):
+            if a.dtype != storage:
+                raise TypeError(f"expected {np.dtype(storage)}, got {a.dtype}")
+        kc = np.ascontiguousarray(key_cache).copy()
+        vc = np.ascontiguousarray(value_cache).copy()
+        slots = np.ascontiguousarray(slots, dtype=np.int32)
+        (kb, k_off, k_st), (vb, v_off, v_st) = _view(k), _view(v)
+        tokens, heads, dim = k.shape
+        num_blocks, block_size = kc.shape[:2]
+        info = (c.c_int64 * 6)()
+        err = c.create_string_buffer(4096)
+        rc = self.lib.vm_write_kv(
+            dtype.encode(), itemsize, (c.c_int64 * 5)(tokens, heads, dim, num_blocks, block_size),
+            kb.ctypes.data + k_off * itemsize, kb.size - k_off, (c.c_int64 * 3)(*k_st),
+            vb.ctypes.data + v_off * itemsize, vb.size - v_off, (c.c_int64 * 3)(*v_st),
+            slots.ctypes.data, kc.ctypes.data, vc.ctypes.data, int(in_place), int(at_start), seed,
+            self.workers, info, err, len(err))
+        if rc != 0:
+            raise KernelFault(err.value.decode())
+        plan = {"grid": tuple(info[:3]), "threads": int(info[3]), "dispatched": bool(info[4]),
+                "in_place": bool(info[5])}
+        return kc, vc, plan
 
 
 # The shape classes of paged_attention_tuning.h, by enum value.

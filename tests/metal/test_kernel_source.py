@@ -68,3 +68,18 @@ def test_cmake_embeds_and_regenerates_on_change(tmp_path, embedded):
     tuning = project / "metal" / "paged_attention_tuning.h"
     tuning.write_text(tuning.read_text() + "// edited\n")
     assert "// edited" in build_and_print()
+
+
+def test_write_kv_library_is_self_contained_ascii(tmp_path):
+    """The KV-cache write's library (metal/write_kv.metal): ASCII, its params
+    header inlined once, the host-only plan left out, one kernel per dtype."""
+    try:
+        text = msl_build.embedded_metal_source(tmp_path, "write_kv")
+    except msl_build.ExecutorUnavailable as e:
+        tool_missing(str(e))
+    text.encode("ascii")
+    assert '#include "' not in text and "#pragma once" not in text
+    assert text.count('#line 1 "write_kv_params.h"') == 1
+    assert "write_kv_plan.h" not in text.replace("in write_kv_plan.h", "")
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert f'"write_kv_{dtype}"' in text

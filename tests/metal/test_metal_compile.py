@@ -1,5 +1,5 @@
-"""The macOS compile check: csrc/paged_attention_metal.cpp and
-csrc/gated_delta_metal.cpp compile against the real MLX 0.32.4 macOS headers
+"""The macOS compile check: csrc/paged_attention_metal.cpp,
+csrc/gated_delta_metal.cpp and csrc/rope_write_kv_metal.cpp compile against the real MLX 0.32.4 macOS headers
 and metal-cpp (scripts/check_metal_compile.sh), and the check is shown to
 catch a misspelt MLX or Metal API call."""
 
@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_metal_compile.sh"
 SOURCE = REPO / "csrc" / "paged_attention_metal.cpp"
 GATED_DELTA_SOURCE = REPO / "csrc" / "gated_delta_metal.cpp"
+WRITE_KV_SOURCE = REPO / "csrc" / "rope_write_kv_metal.cpp"
 
 # (correct text in the source, misspelt replacement): MLX device, encoder and
 # allocator calls, and a metal-cpp method.
@@ -39,6 +40,14 @@ GATED_DELTA_MISSPELLINGS = [
     ("encoder.set_output_array(state_out, kGdStateOutBuffer)",
      "encoder.set_outputs_array(state_out, kGdStateOutBuffer)"),
     ("encoder.set_bytes(plan.args, kGdArgsBuffer)", "encoder.set_byte(plan.args, kGdArgsBuffer)"),
+]
+# The KV-cache write's eval_gpu: its cache copy, buffer sharing and hazard
+# registration.
+WRITE_KV_MISSPELLINGS = [
+    ("mx::copy_gpu(in, out,", "mx::copy_gpus(in, out,"),
+    ("out.copy_shared_buffer(in)", "out.copy_share_buffer(in)"),
+    ("encoder.set_input_array(inputs[kKeyCache], kWkvKeyCacheBuffer)",
+     "encoder.set_inputs_array(inputs[kKeyCache], kWkvKeyCacheBuffer)"),
 ]
 
 
@@ -65,13 +74,14 @@ def run_check(*sources: Path) -> subprocess.CompletedProcess:
 def test_metal_code_compiles_against_mlx_macos_headers():
     result = run_check()
     assert result.returncode == 0, result.stdout + result.stderr
-    for source in (SOURCE, GATED_DELTA_SOURCE):
+    for source in (SOURCE, GATED_DELTA_SOURCE, WRITE_KV_SOURCE):
         assert f"OK   {source}" in result.stdout
 
 
 def test_misspelt_api_calls_fail_the_check(tmp_path):
     broken, misspellings = [], []
-    for source, table in ((SOURCE, MISSPELLINGS), (GATED_DELTA_SOURCE, GATED_DELTA_MISSPELLINGS)):
+    for source, table in ((SOURCE, MISSPELLINGS), (GATED_DELTA_SOURCE, GATED_DELTA_MISSPELLINGS),
+                          (WRITE_KV_SOURCE, WRITE_KV_MISSPELLINGS)):
         text = source.read_text()
         for good, bad in table:
             assert good in text, f"{source.name} no longer contains {good!r}; update the list"

@@ -52,16 +52,19 @@ def test_kv_layers_and_windows():
     fp = footprint(config)
     assert [(c.kv_heads, c.head_dim, c.window) for c in fp.layers] == [(2, 64, 128), (2, 64, None)]
     assert fp.windows == [128] and not fp.hybrid
-    # vLLM plans the windowed layer as full beside a full one (hybrid manager off): 2 layers x K, V x 2 heads x 64
-    assert fp.kv_bytes(32768) == 2 * 2 * 2 * 64 * 2 * 32768
-    assert fp.kv_bytes(32768, "fp8") == 2 * 2 * 2 * 64 * 32768
-    # On MLX's CPU device the platform leaves vLLM's hybrid manager on for it: the windowed layer
-    # holds cdiv(min(window - 1 + in flight, length), block) + 1 blocks.
+    # On Metal and on MLX's CPU device alike the platform leaves vLLM's hybrid manager on for it:
+    # the windowed layer holds cdiv(min(window - 1 + in flight, length), block) + 1 blocks.
     cpu = footprint(config, device="cpu")
-    assert cpu.hybrid_manager and not fp.hybrid_manager
+    assert cpu.hybrid_manager and fp.hybrid_manager
     window_blocks = -(-(128 - 1 + 2 * 2048) // 16) + 1
-    row = 2 * 2 * 64 * DTYPE_BYTES[cpu.dtype]  # K and V x 2 heads x 64
-    assert cpu.kv_bytes(32768) == row * (32768 + window_blocks * 16)
+    for f in (fp, cpu):
+        row = 2 * 2 * 64 * DTYPE_BYTES[f.dtype]  # K and V x 2 heads x 64
+        assert f.kv_bytes(32768) == row * (32768 + window_blocks * 16)
+    assert fp.kv_bytes(32768, "fp8") == 2 * 2 * 64 * (32768 + window_blocks * 16)
+    # With the manager off (--disable-hybrid-kv-cache-manager) vLLM plans the windowed layer as full
+    # beside a full one: 2 layers x K, V x 2 heads x 64.
+    assert fp.kv_bytes(32768, hybrid_manager=False) == 2 * 2 * 2 * 64 * 2 * 32768
+    assert fp.kv_bytes(32768, "fp8", hybrid_manager=False) == 2 * 2 * 2 * 64 * 32768
 
 
 def test_awq_keeps_embedding_and_head_in_float():

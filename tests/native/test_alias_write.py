@@ -141,3 +141,18 @@ def test_shared_slots_in_the_paged_cache():
     cache.copy_blocks([(1, 4)])
     after = np.array(cache.keys[1])
     assert np.array_equal(after[4], before[1]) and np.array_equal(np.delete(after, 4, 0), np.delete(before, 4, 0))
+
+
+def test_alias_writes_on_the_gpu_only_with_the_metal_kernels(monkeypatch):
+    """write_kv(..., in_place=True) takes the RopeWriteKV path on the CPU
+    always and on the GPU where the extension has its Metal kernels (its
+    eval_gpu: metal/write_kv.metal; tests/metal/test_write_kv_executor.py and,
+    on a Mac, test_write_kv_gpu.py); a GPU without them keeps MLX's scatter."""
+    from vllm_metal.native import kv_writes
+
+    assert kv_writes.alias_writes_supported(mx.Device(mx.cpu))
+    assert kv_writes.alias_writes_supported(mx.Device(mx.gpu)) == bool(ops._ext.HAS_METAL)
+    for has_metal in (True, False):
+        monkeypatch.setattr(kv_writes, "_ext", type("Ext", (), {"HAS_METAL": has_metal}))
+        assert kv_writes.alias_writes_supported(mx.Device(mx.gpu)) is has_metal
+        assert kv_writes.alias_writes_supported(mx.Device(mx.cpu))

@@ -84,8 +84,9 @@ def test_windowed_layers_sized_to_their_window():
 
 def test_mixed_windows_are_planned_as_full_without_the_hybrid_manager():
     """A full-attention layer beside windowed ones (Gemma 3's pattern): with
-    vLLM's hybrid KV-cache manager off (the platform's choice for models
-    without linear attention) vLLM plans every layer as full attention."""
+    vLLM's hybrid KV-cache manager off (--disable-hybrid-kv-cache-manager;
+    the platform leaves it on for sliding-window models, on Metal and MLX's
+    CPU device alike) vLLM plans every layer as full attention."""
     layers = [fit.LayerCache(kv_heads=8, head_dim=128, window=None if i % 6 == 5 else 1024) for i in range(48)]
     per_layer = 2 * 8 * 128 * 2
     plan = fit.Plan(max_model_len=32768)

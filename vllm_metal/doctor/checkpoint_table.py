@@ -53,7 +53,7 @@ def row(table: dict, config: dict) -> tuple[str, list[str]]:
     if config.get("vision_config"):
         notes.append(f"`{table['hub_id']}`: the text model only (mlx-lm builds it); its vision tower loads on top "
                      "when images are served.")
-    if metal.windows and not windows_kept(metal.layers, metal.hybrid):
+    if metal.windows and not windows_kept(metal.layers, metal.hybrid_manager):
         notes.append(f"`{table['hub_id']}`: its windowed layers are counted at the whole context, as vLLM plans "
                      "them beside full-attention layers.")
     return line, notes

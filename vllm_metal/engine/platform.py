@@ -142,8 +142,8 @@ class MetalPlatform(Platform):
     def support_hybrid_kv_cache(cls) -> bool:
         # vLLM's hybrid KV-cache manager (one KV-cache group per kind of
         # layer): hybrid linear-attention models need it for their state
-        # slots (a Mamba group), sliding-window models on MLX's CPU device
-        # their windows' blocks (_shares_window_blocks); off for the others.
+        # slots (a Mamba group), sliding-window models their windows' blocks
+        # (_shares_window_blocks, on both devices); off for the others.
         return True
 
     @classmethod
@@ -295,13 +295,13 @@ class MetalPlatform(Platform):
 
     @staticmethod
     def _shares_window_blocks(vllm_config) -> bool:
-        """vLLM's hybrid manager stays vLLM's choice for sliding-window models on
-        MLX's CPU device: windows hold their blocks only, one array pair per
-        vLLM tensor shared by a layer of each group (kv_specs.layer_shares),
-        written by the later layers as an alias (native/kv_writes.py). Not on
-        Metal, where MLX's scatter would copy a shared array for each writer."""
+        """vLLM's hybrid manager stays vLLM's choice for sliding-window models (Metal and
+        MLX's CPU device alike): windows hold their blocks only, one array pair per vLLM
+        tensor shared by a layer of each group (kv_specs.layer_shares), written by the
+        later layers as an alias (native/kv_writes.py; on Metal metal/write_kv.metal's
+        kernel, in place where MLX's scatter would copy the shared array)."""
         model = vllm_config.model_config
-        return model is not None and mlx_device_name() == "cpu" and bool(model.get_sliding_window())
+        return model is not None and bool(model.get_sliding_window())
 
     @classmethod
     def _configure_parallel(cls, parallel) -> None:

@@ -176,8 +176,9 @@ class Footprint:
     @property
     def hybrid_manager(self) -> bool:
         """vLLM's hybrid KV-cache manager on (the platform's default): linear-attention
-        models, and sliding-window models on MLX's CPU device (windows sized to the window)."""
-        return self.hybrid or (self.device == "cpu" and bool(self.windows))
+        models, and sliding-window models (windows sized to the window), on Metal and on
+        MLX's CPU device alike."""
+        return self.hybrid or bool(self.windows)
 
     def weights(self, expand: bool) -> int:
         return self.expanded if expand else self.packed

@@ -10,11 +10,12 @@ KV arithmetic is vLLM 0.33's per-layer `max_memory_usage_bytes`:
 - a sliding window: cdiv(min(window - 1 + in-flight tokens, max_model_len),
   block) + 1 blocks (`SlidingWindowSpec`), but only where vLLM keeps windows:
   with its hybrid KV-cache manager on (the platform leaves it on for hybrid
-  linear-attention models, and for sliding-window models on MLX's CPU device,
-  where the runner shares one array pair among a layer of each cache group
-  as vLLM plans: unless the attention layers' shapes differ, `windows_kept`),
-  or when every attention layer has one. Otherwise (the manager off,
-  full-attention layers beside windowed ones: Metal) vLLM plans the windowed
+  linear-attention models, and for sliding-window models on Metal and on
+  MLX's CPU device alike, where the runner shares one array pair among a
+  layer of each cache group as vLLM plans: unless the attention layers'
+  shapes differ, `windows_kept`), or when every attention layer has one.
+  Otherwise (the manager off, e.g. by --disable-hybrid-kv-cache-manager,
+  full-attention layers beside windowed ones) vLLM plans the windowed
   layers as full attention (`_promote_local_kv_cache_specs`);
 - a linear-attention layer: its state, once (twice under prefix caching's
   "align" mode: `MambaSpec`).

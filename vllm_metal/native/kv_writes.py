@@ -8,13 +8,16 @@ Each returns the updated caches; nothing is computed until the caller
 evaluates. A write is done in place on the old buffer when the caller holds
 no other reference to the old cache arrays (`kc, vc = write_kv(kc, vc, ...)`).
 
-`in_place=True` (an alias write, MLX's CPU device): the updated caches take
-the old caches' buffers even while other operations still hold them, instead
-of copying the whole cache. The caller promises that every reader of the old
-contents comes before this write in stream order: layers sharing one vLLM
-KV-cache tensor (models/kv_store.PagedKVCache), where a later layer's
-K/V depend, through the residual stream, on the earlier layer's attention.
-Elsewhere (Metal, 8-bit caches, lazy slots) the write is the ordinary one:
+`in_place=True` (an alias write; MLX's CPU device, and the GPU of a build
+with Metal): the updated caches take the old caches' buffers even while other
+operations still hold them, instead of copying the whole cache. The caller
+promises that every reader of the old contents comes before this write in
+stream order: layers sharing one vLLM KV-cache tensor
+(models/kv_store.PagedKVCache), where a later layer's K/V depend, through the
+residual stream, on the earlier layer's attention. On the CPU the write is
+the RopeWriteKV primitive's CPU backend; on Metal its eval_gpu, the KV-cache
+write kernel of metal/write_kv.metal (docs/metal.md). Elsewhere (a GPU without
+our Metal kernels, 8-bit caches, lazy slots) the write is the ordinary one:
 the same result, by a copy when the buffer cannot be donated.
 Layouts as in vllm_metal.native.ops; re-exported there.
 """
@@ -80,10 +83,20 @@ def write_kv(key_cache: mx.array, value_cache: mx.array, k: mx.array, v: mx.arra
 
 def _alias_write_ok(cache: mx.array, k: mx.array, v: mx.array) -> bool:
     """Whether the RopeWriteKV primitive can make an alias write of k, v into
-    `cache` (MLX's CPU device, one float dtype, K and V rows alike)."""
-    return (_device_of(None).type == mx.DeviceType.cpu and cache.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    `cache` (MLX's CPU device, or the GPU where the extension has its Metal
+    kernels; one float dtype, K and V rows alike)."""
+    return (alias_writes_supported(_device_of(None))
+            and cache.dtype in (mx.float32, mx.float16, mx.bfloat16)
             and k.dtype == v.dtype == cache.dtype and k.shape == v.shape and k.ndim == 3
             and k.shape[1:] == cache.shape[2:])
+
+
+def alias_writes_supported(device: mx.Device | None = None) -> bool:
+    """Whether `write_kv(..., in_place=True)` writes in place on `device`
+    (default: MLX's default device): the CPU always, the GPU where this
+    build has its Metal kernels (RopeWriteKV::eval_gpu)."""
+    device = _device_of(device)
+    return device.type == mx.DeviceType.cpu or bool(_ext.HAS_METAL)
 
 
 def write_cache(cache: mx.array, x: mx.array, slot_mapping) -> mx.array:
