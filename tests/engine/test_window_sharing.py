@@ -152,3 +152,18 @@ def test_fit_follows_the_runner():
     assert not windows_kept([windowed, full], hybrid_manager=False)
     assert not windows_kept([windowed, LayerCache(2, 32)], hybrid_manager=True)  # shapes differ
     assert windows_kept([windowed, windowed], hybrid_manager=False)  # every layer windowed
+    # An 8-bit cache has no in-place write: its windows stay planned as full attention (no sharing).
+    assert not windows_kept([windowed, full], hybrid_manager=True, cache_dtype="fp8")
+    assert windows_kept([windowed, windowed], hybrid_manager=True, cache_dtype="fp8")
+
+
+def test_an_8_bit_cache_keeps_one_array_pair_per_layer(gemma3_dir):
+    """--kv-cache-dtype fp8: no in-place 8-bit write, so a shared array would be
+    copied whole by every later writer, every step: the windows are declared
+    as full attention (one group), each layer with its own arrays."""
+    with engine(gemma3_dir, kv_cache_dtype="fp8", **COMMON) as llm:
+        runner, config = runner_of(llm), kv_config(llm)
+        assert [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups] == ["FullAttentionSpec"]
+        assert len(runner.kv.keys.slots) == 3
+        assert runner.kv_bytes_ratio() == 1.0
+        assert generate(llm, PROMPTS[1:2])[0].outputs[0].token_ids

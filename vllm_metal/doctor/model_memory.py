@@ -67,7 +67,7 @@ def memory_report(config: dict, *, quant: str | None = None, max_model_len: int 
     kv = {"tokens": max_model_len, "cache_dtype": cache_dtype, "metal_bytes": gpu.kv_bytes(max_model_len, cache_dtype),
           "cpu_bytes": cpu.kv_bytes(max_model_len, cache_dtype), "layers": len(gpu.layers),
           "windows": gpu.windows,
-          "windows_sized_to_window": fit.windows_kept(gpu.layers, gpu.hybrid_manager) if gpu.windows else None}
+          "windows_sized_to_window": fit.windows_kept(gpu.layers, gpu.hybrid_manager, cache_dtype) if gpu.windows else None}
     report["kv_cache"] = kv
     fp = gpu if device == "gpu" else cpu
     expand = expands(device)

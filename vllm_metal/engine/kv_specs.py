@@ -34,7 +34,7 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
     # An 8-bit float cache (--kv-cache-dtype fp8*): one byte per element, for attention layers only.
     cache_dtype = KV_CACHE_TORCH.get(vllm_config.cache_config.cache_dtype, dtype)
     specs: dict[str, KVCacheSpec] = {}
-    keep = keeps_windows(m)
+    keep = keeps_windows(m, kv_cache_dtype(vllm_config))
     for i, (kv, window) in enumerate(zip(m.layer_kv, m.sliding_windows)):
         if kv.source is not None or not m.owns(i):  # a shared cache, or another stage's layer
             continue
@@ -56,7 +56,7 @@ def kv_cache_spec(vllm_config, m: LoadedModel, layer_name: Callable[[int], str])
     return specs
 
 
-def keeps_windows(m: LoadedModel) -> bool:
+def keeps_windows(m: LoadedModel, cache_dtype: str = "auto") -> bool:
     """Whether windowed layers are declared as windows (vLLM's hybrid manager
     may then hold only their windows' blocks). Not beside full-attention
     layers whose arrays differ in shape (Gemma 4's wider global heads) in a
@@ -64,10 +64,16 @@ def keeps_windows(m: LoadedModel) -> bool:
     share arrays here, so every block id would cost every layer's page, more
     than planning the windows as full attention (as vLLM does with the
     manager off; the layers still attend within their windows).
-    native/fit.windows_kept follows the same rule."""
+    Nor with an 8-bit cache (`cache_dtype`, kv_cache_dtype()): 8-bit rows
+    have no in-place write, so every later writer of a shared array would
+    copy it whole, every step. native/fit.windows_kept follows the same rule."""
     attention = [(kv.layout, kv.num_kv_heads, kv.head_dim, window) for kv, window in
                  zip(m.layer_kv, m.sliding_windows) if kv.source is None and kv.layout != "state"]
-    if len(attention) < sum(kv.source is None for kv in m.layer_kv) or all(a[3] for a in attention):
+    if all(a[3] for a in attention):
+        return True
+    if cache_dtype != "auto":
+        return False
+    if len(attention) < sum(kv.source is None for kv in m.layer_kv):
         return True
     return len({a[:3] for a in attention}) <= 1
 

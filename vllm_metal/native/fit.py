@@ -87,15 +87,17 @@ class Plan:
     align: bool = False  # linear-attention states under prefix caching (mamba_cache_mode "align")
 
 
-def windows_kept(layers: list[LayerCache], hybrid_manager: bool) -> bool:
+def windows_kept(layers: list[LayerCache], hybrid_manager: bool, cache_dtype: str = "auto") -> bool:
     """Whether vLLM sizes windowed layers to their window (see the module).
     With the manager on, beside full-attention layers of another shape and
-    no linear-attention state, the runner declares the windows as full
-    attention (engine/kv_specs.keeps_windows)."""
+    no linear-attention state, or with an 8-bit cache (no in-place 8-bit
+    write: a shared array would be copied by every later writer, every
+    step), the runner declares the windows as full attention
+    (engine/kv_specs.keeps_windows)."""
     attention = [layer for layer in layers if not layer.state_bytes]
     if all(layer.window for layer in attention):
         return True
-    if not hybrid_manager:
+    if not hybrid_manager or cache_dtype != "auto":
         return False
     return len(attention) < len(layers) or len({(a.kv_heads, a.head_dim, a.rows) for a in attention}) <= 1
 
@@ -114,7 +116,7 @@ def layer_request_bytes(layer: LayerCache, plan: Plan, keep_windows: bool, max_m
 
 def kv_bytes(layers: list[LayerCache], plan: Plan, max_model_len: int | None = None) -> int:
     """The KV cache one request of `max_model_len` (default: the plan's) needs."""
-    keep = windows_kept(layers, plan.hybrid_manager)
+    keep = windows_kept(layers, plan.hybrid_manager, plan.cache_dtype)
     return sum(layer_request_bytes(layer, plan, keep, max_model_len) for layer in layers)
 
 
