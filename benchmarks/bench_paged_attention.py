@@ -10,6 +10,16 @@ prefill rows per tile: the measurements behind the table in
 csrc/cpu/paged_attention_tiles.h. `--ext PATH` loads another build of the
 extension (e.g. the previous kernel) to compare.
 
+`--shapes` times the CPU kernel per shape class with the tile before and
+after the verify entries of the tile table side by side: long prefill, chat
+prefill, speculative decoding's verify rows (2, 5 and 8 new tokens per
+sequence at 1024 and 8192 cached tokens, batch 1 to 32, sliding window off
+and on) and chunked prefill at batch 8, 16 and 32, for head dims 64, 128,
+256 and 512 in float32. Without --quick it also sweeps every verify tile
+(tokens per tile x KV heads per unit) the table chose from. Times are the
+fastest of several interleaved rounds (the candidates of a shape take turns),
+so a busy machine inflates them less.
+
 `--decode-stream` times decode as a model step runs it: 30 layers' caches of
 their own (8 sequences x 1024 tokens, SmolLM2's 9/3 heads x 64, float32: the
 KV comes from memory, not cache), with blocks in order and shuffled, then the
@@ -19,6 +29,13 @@ alone) and numpy reading the same bytes (the memory alone).
     python benchmarks/bench_paged_attention.py [--quick] [--json out.json]
     python benchmarks/bench_paged_attention.py --tiles [--ext old/_ext.so] [--json out.json]
     python benchmarks/bench_paged_attention.py --decode-stream [--json out.json]
+    python benchmarks/bench_paged_attention.py --shapes [--quick] [--json out.json]   # < 3 min with --quick
+    VLLM_METAL_CPU_THREADS=1 python benchmarks/bench_paged_attention.py --shapes --quick --cpu-time  # a busy host
+
+`--shapes` options: --cpu-time times by the process's CPU time (with one
+kernel thread, the kernel's own work, which other jobs on the machine
+inflate far less than wall time); --only CLASS, --head-dims 256,512 and
+--sweep (the verify tile sweep with --quick) narrow a tuning run.
 """
 
 from __future__ import annotations
@@ -26,9 +43,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 
 
 def _load_ext_override():
@@ -223,15 +243,197 @@ def decode_stream(args, layers=30, seqs=8, context=1024, heads=9, kv_heads=3, he
             json.dump(out, f, indent=2)
 
 
+# ---- --shapes: every shape class, the tile before and after the verify entries ----------------
+
+# (heads, kv heads) per head dim: SmolLM2-135M (64), Llama-3-8B (128), Gemma-2-style (256) and a
+# Gemma-4-style global layer (512) -- groups 3, 4, 4 and 8.
+SHAPE_HEADS = {64: (9, 3), 128: (32, 8), 256: (8, 2), 512: (16, 2)}
+SHAPE_WINDOW = 512  # the windowed rows' sliding window (Gemma-3-1B's)
+# The verify tile before the table had verify entries: all of a sequence's tokens (64 rows, every
+# GQA group up to 8) on one KV head per unit. As set_cpu_tile_override's (verify_tokens,
+# verify_kv_heads): 8 = all tokens, 1 = one KV head.
+OLD_VERIFY = (8, 1)
+VERIFY_SWEEP = [(t, h) for t in (1, 2, 4, 8) for h in (1, 2)]  # h 2: all KV heads of the tile
+
+
+def shape_list(quick):
+    """(class, case, sequences, new tokens each, cached tokens before them, window)."""
+    shapes = [("long prefill", "1 x 2048 new", 1, 2048, 0), ("chat prefill", "1 x 256 new", 1, 256, 0)]
+    verify = [(1024, 1), (1024, 8), (1024, 32), (8192, 1), (8192, 8)]
+    for prefix, seqs in verify:
+        for new in ((5,) if quick else (2, 5, 8)):
+            shapes.append((f"verify {prefix // 1024}k", f"b{seqs} x {new}", seqs, new, prefix))
+    for seqs in (8, 16, 32):  # a 1024-token budget shared by the batch, each chunk after 1024 cached tokens
+        shapes.append(("chunked prefill", f"b{seqs} x {1024 // seqs}", seqs, 1024 // seqs, 1024))
+    return [(*sh, w) for sh in shapes for w in (None, SHAPE_WINDOW)]
+
+
+def tile_label(tile):
+    t, h = tile
+    return f"{'all' if t >= 8 else t} tok x {'all' if h > 1 else 1} kv"
+
+
+def table_verify_tile(head_dim, seqs):
+    """The table's verify tile as a label (builds without the hook: 'table')."""
+    ext = ops._ext
+    if not hasattr(ext, "cpu_verify_tile"):
+        return "table"
+    t, h = ext.cpu_verify_tile(head_dim, seqs)
+    return tile_label((t if t > 0 else 8, 2 if h == 0 else 1))
+
+
+def shape_call(head_dim, caches, seqs, new, prefix, window, rng):
+    heads, _ = SHAPE_HEADS[head_dim]
+    kc, vc = caches
+    context = prefix + new
+    per_seq = -(-context // BLOCK)
+    bt = mx.array(rng.permutation(kc.shape[0])[:seqs * per_seq].reshape(seqs, per_seq).astype(np.int32))
+    sl = mx.array(np.full(seqs, context, np.int32))
+    cu = mx.array(np.arange(seqs + 1, dtype=np.int32) * new)
+    q = mx.random.normal((seqs * new, heads, head_dim))
+    mx.eval(q, bt)
+    call = lambda: mx.eval(ops.paged_attention(q, kc, vc, bt, sl, cu, scale=head_dim ** -0.5,  # noqa: E731
+                                               sliding_window=window))
+    return call
+
+
+def fastest(calls, rounds, clock=time.perf_counter):
+    """{name: fastest seconds per call}: the calls take turns, `rounds` times; each turn times
+    enough calls back to back (the same count every round) to last about 2 ms: short samples,
+    so that some of them run without being preempted on a busy machine. clock: wall time, or
+    the process's CPU time (--cpu-time: what the calls cost the cores, preemption left out)."""
+    set_tile = ops._ext.set_cpu_tile_override
+    reps = {}
+    for name, (tile, call) in calls.items():
+        set_tile(*tile)
+        call()  # warm-up (scratch, thread pool)
+        t0 = time.perf_counter()
+        call()
+        reps[name] = max(1, int(0.002 / max(time.perf_counter() - t0, 1e-6)))
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, (tile, call) in calls.items():
+            set_tile(*tile)
+            t0 = clock()
+            for _ in range(reps[name]):
+                call()
+            best[name] = min(best[name], (clock() - t0) / reps[name])
+    set_tile()
+    return best
+
+
+def _meta(quick, rounds, cpu_time):
+    def run(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=run("git", "rev-parse",
+                "--short", "HEAD") + ("+dirty" if run("git", "status", "--porcelain", "--untracked-files=no") else ""),
+                cpu=cpu, cores=os.cpu_count(), variant=ops._ext.cpu_attention_variant(), quick=quick,
+                rounds=rounds, load_before=os.getloadavg()[0],
+                threads=os.environ.get("VLLM_METAL_CPU_THREADS") or f"{os.cpu_count()} (default)",
+                clock="process CPU time" if cpu_time else "wall", load_after=None, complete=False)
+
+
+def shapes(args):
+    rounds = 4 if args.quick else 7
+    quick = args.quick and not args.sweep  # the table's columns: no sweep column
+    meta = _meta(quick, rounds, args.cpu_time)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    rng = np.random.default_rng(0)
+    started, rows = time.perf_counter(), []
+    print(f"# CPU kernel per shape class ({meta['variant']}, {meta['cpu']}), float32, block {BLOCK}; "
+          f"fastest of {rounds} interleaved rounds, {meta['clock']}, kernel threads: {meta['threads']}")
+    print("| class | case | head dim | heads/kv | window | old tile | ms | new tile | ms | new/old |"
+          + ("" if quick else " fastest swept |"))
+    print("|---|---|---:|---|---:|---|---:|---|---:|---:|" + ("" if quick else "---|"))
+    shape_rows = [sh for sh in shape_list(args.quick) if sh[0].startswith(args.only or "")]
+    dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else list(SHAPE_HEADS)
+    for head_dim, (heads, kv_heads) in ((d, SHAPE_HEADS[d]) for d in dims):
+        blocks = max(seqs * -(-(prefix + new) // BLOCK) for _, _, seqs, new, prefix, _ in shape_rows)
+        caches = tuple(mx.random.normal((blocks, BLOCK, kv_heads, head_dim)) for _ in range(2))
+        mx.eval(caches)
+        for cls, case, seqs, new, prefix, window in shape_rows:
+            call = shape_call(head_dim, caches, seqs, new, prefix, window, rng)
+            verify = cls.startswith("verify")
+            calls = {"table": ((0, 0, 0), call)}
+            new_label = table_verify_tile(head_dim, seqs) if verify else "table (unchanged)"
+            changed = verify and new_label != tile_label(OLD_VERIFY)
+            if changed:
+                calls["old"] = ((0, *OLD_VERIFY), call)
+            if verify and (args.sweep or not args.quick):
+                calls.update({tile_label(t): ((0, *t), call) for t in VERIFY_SWEEP})
+            # A class whose tile did not change is timed once (fewer rounds with --quick).
+            best = fastest(calls, rounds if changed or not args.quick else 2, clock)
+            old_ms = best.get("old", best["table"]) * 1e3
+            row = dict(cls=cls, case=case, head_dim=head_dim, heads=heads, kv_heads=kv_heads, seqs=seqs, new=new,
+                       prefix=prefix, window=window, old_tile=tile_label(OLD_VERIFY) if verify else "table",
+                       same_tile=not changed, old_ms=old_ms, new_tile=new_label, new_ms=best["table"] * 1e3,
+                       swept={k: v * 1e3 for k, v in best.items() if k not in ("table", "old")})
+            rows.append(row)
+            print(render_row(row, quick), flush=True)
+            if args.json:  # after every row: an interrupted run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=2)
+        del caches
+    meta.update(load_after=os.getloadavg()[0], seconds=time.perf_counter() - started, complete=True)
+    report = dict(meta=meta, rows=rows)
+    print(f"\n{meta['seconds']:.0f} s; load average {meta['load_before']:.1f} before, {meta['load_after']:.1f} after")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def render_row(row, quick):
+    cells = [row["cls"], row["case"], row["head_dim"], f"{row['heads']}/{row['kv_heads']}", row["window"] or "off",
+             row["old_tile"], f"{row['old_ms']:.3g}", row["new_tile"], f"{row['new_ms']:.3g}",
+             "same tile" if row.get("same_tile") else f"{row['new_ms'] / row['old_ms']:.2f}"]
+    if not quick:
+        swept = row["swept"]
+        cells.append(f"{min(swept, key=swept.get)} ({min(swept.values()):.3g})" if swept else "")
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def render(report):
+    """The --shapes table of a raw file, in Markdown (benchmarks/summaries.py's `_script`)."""
+    m = report["meta"]
+    quick = m["quick"]
+    head = (f"{m['date']}, vllm-metal at `{m['commit']}`, {m['cpu']} ({m['cores']} cores), {m['variant']} build; "
+            f"float32, block {BLOCK}; milliseconds per call ({m['clock']}; kernel threads: {m['threads']}), the "
+            f"fastest of {m['rounds']} interleaved rounds (2 where the tile did not change) "
+            f"(load average {m['load_before']:.1f} before, {m['load_after'] or float('nan'):.1f} after). Old tile: "
+            "the verify tile "
+            "before the table had verify entries; prefill classes kept theirs. same tile: the table kept the old "
+            "tile for that shape (timed once).")
+    lines = [head, "", "| class | case | head dim | heads/kv | window | old tile | ms | new tile | ms | new/old |"
+             + ("" if quick else " fastest swept |"),
+             "|---|---|---:|---|---:|---|---:|---|---:|---:|" + ("" if quick else "---|")]
+    lines += [render_row(r, quick) for r in report["rows"]]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer shapes (--shapes: verify at 5 new tokens only, 4 rounds)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--tiles", action="store_true", help="the CPU tile-table sweep instead")
     parser.add_argument("--ext", help="path of another _ext build to load (comparisons)")
     parser.add_argument("--decode-stream", action="store_true",
                         help="decode over 30 layers' caches streamed from memory instead")
+    parser.add_argument("--shapes", action="store_true",
+                        help="every shape class with the old and the new tile instead (--quick: < 3 min)")
+    parser.add_argument("--only", help="--shapes: only the classes starting with this (e.g. verify)")
+    parser.add_argument("--head-dims", help="--shapes: only these head dims (comma-separated)")
+    parser.add_argument("--sweep", action="store_true", help="--shapes --quick: sweep the verify tiles too")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="--shapes: time by the process's CPU time, not wall time (a busy machine; "
+                             "with VLLM_METAL_CPU_THREADS=1 it is the kernel's own work)")
     args = parser.parse_args()
+    if args.shapes:
+        shapes(args)
+        return
     if args.tiles:
         tiles(args)
         return

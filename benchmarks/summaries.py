@@ -131,6 +131,16 @@ def _no_host(*_) -> tuple:
     return None, None
 
 
+def method_blocks(R: str) -> list[Block]:
+    """bench_speculative.py --method runs (their block `<method>-results`), once their raw JSON is
+    published: a method not yet measured has no table (docs/benchmarks.md then needs its block)."""
+    import bench_speculative
+
+    return [Block(f"{m.replace('_', '-')}-results", "speculative", (R + f"speculative/{m}.json",), _speculative,
+                  _meta_host, bench_speculative.method_markers(m))
+            for m in bench_speculative.METHODS[1:] if (REPO / R / "speculative" / f"{m}.json").is_file()]
+
+
 def blocks() -> list[Block]:
     """Every generated block, in the order docs/benchmarks.md shows them."""
     R = "benchmarks/results/"
@@ -186,10 +196,13 @@ def blocks() -> list[Block]:
         Block("verify-tiles", "speculative", (R + "verify_tiles.json",),
               _table(st.tiles_by_head_dim, VERIFY_CASES, "Float32, block 16, 1024 cached tokens; heads 9/3, "
                      "32/8 and 8/2; bN x k: N sequences of k new tokens each."), variant),
+        Block("verify-shapes", "paged-attention", (R + "paged_attention_shapes_avx2_amd.json",),
+              _script("bench_paged_attention"), lambda d: (d["meta"]["variant"], d["meta"]["cpu"])),
         spec("draft-model-results", "draft_model", "DRAFT_BEGIN", "DRAFT_END"),
         spec("draft-model-synthetic-llama-results", "draft_model_synthetic_llama", "SYNTH_BEGIN", "SYNTH_END",
              ("synthetic-results", "synthetic-llama-results")),
         spec("mtp-results", "mtp", "MTP_BEGIN", "MTP_END"),
+        *method_blocks(R),
         Block("pipeline", "pipeline", (R + "pipeline.json",), _table(st.pipeline), cpu),
     ]
 

@@ -201,9 +201,16 @@ NB_MODULE(_ext, m) {
         "The best instruction set of the CPU kernels' builds this CPU runs, before any "
         "VLLM_METAL_CPU_ISA cap: avx512, avx2 or generic.");
 
-  m.def("set_cpu_tile_override", &vllm_metal::set_cpu_prefill_rows_override, "prefill_rows"_a,
-        "Benchmark hook: rows per tile for prefill-class sequences in the CPU kernel "
-        "(0 restores the shape-class table). Never set while serving.");
+  m.def("set_cpu_tile_override", &vllm_metal::set_cpu_tile_override, "prefill_rows"_a = 0,
+        "verify_tokens"_a = 0, "verify_kv_heads"_a = 0,
+        "Benchmark hook of the CPU kernel's tile table: rows per tile for prefill-class "
+        "sequences; for verify-class ones (2..8 new tokens) tokens per tile (8: all) and KV "
+        "heads per unit (1: one, 2 or more: all). 0 keeps the table's; all zeros restore it. "
+        "Never set while serving.");
+
+  m.def("cpu_verify_tile", &vllm_metal::cpu_verify_tile, "head_dim"_a, "num_seqs"_a,
+        "The CPU tile table's verify tile for a call of num_seqs sequences: (tokens per tile, "
+        "KV heads per unit), 0 meaning all of them.");
 
   // From the headers compiled in, not from the loaded libmlx.
   m.attr("BUILT_AGAINST_MLX") = std::to_string(MLX_VERSION_MAJOR) + "." +

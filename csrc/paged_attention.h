@@ -18,6 +18,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include <optional>
 
@@ -125,8 +126,14 @@ std::string cpu_attention_variant();
 // The best instruction set of those builds the CPU runs, uncapped.
 std::string cpu_host_isa();
 
-// Benchmark hook: rows per tile for prefill-class sequences on the CPU (0:
-// the table in cpu/paged_attention_tiles.h). Never set while serving.
-void set_cpu_prefill_rows_override(int rows);
+// Benchmark hook: the CPU kernel's rows per tile for prefill-class sequences
+// and the tile of verify-class ones (tokens per tile, KV heads per unit); 0
+// keeps the table's (cpu/paged_attention_tiles.h). Never set while serving.
+void set_cpu_tile_override(int prefill_rows, int verify_tokens, int verify_kv_heads);
+
+// The CPU tile table's verify tile for a call of `num_seqs` sequences at this
+// key head dim: (tokens per tile, KV heads per unit), 0 meaning all (the
+// table's entry, whatever the override).
+std::pair<int, int> cpu_verify_tile(int head_dim, int num_seqs);
 
 } // namespace vllm_metal

@@ -2,6 +2,7 @@
 // Reads the index arrays, validates them (the only data-dependent checks: a
 // bad block id or length raises from mx.eval, before anything is read
 // through it) and runs the kernel variant for this CPU's instruction set.
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -73,13 +74,22 @@ void validate_attention_batch(const Geometry& g, const std::vector<int>& seq_len
   }
 }
 
-int& cpu::prefill_rows_override() {
-  static int rows = 0;
-  return rows;
+cpu::TileOverride& cpu::tile_override() {
+  static TileOverride o;
+  return o;
 }
 
-void set_cpu_prefill_rows_override(int rows) {
-  cpu::prefill_rows_override() = rows > 0 ? rows : 0;
+void set_cpu_tile_override(int prefill_rows, int verify_tokens, int verify_kv_heads) {
+  cpu::TileOverride& o = cpu::tile_override();
+  o.prefill_rows = std::max(prefill_rows, 0);
+  o.verify_tokens = std::max(verify_tokens, 0);
+  o.verify_kv_heads = std::max(verify_kv_heads, 0);
+}
+
+std::pair<int, int> cpu_verify_tile(int head_dim, int num_seqs) {
+  const cpu::VerifyTile t =
+      cpu::kVerifyTiles[cpu::head_dim_class(head_dim)][static_cast<int>(cpu::verify_batch(num_seqs))];
+  return {t.tokens, t.kv_heads};
 }
 
 // The fastest variant this CPU can run.

@@ -100,6 +100,33 @@ inline bool is_prefill_row(TokenPlace place) {
   return place.valid && place.new_tokens >= kPrefillMinTokensPerSeq;
 }
 
+// The decode threadgroup (by its token, grid y) that computes token `t`
+// (`place`: locate_token's for t) when each computes up to `tokens`
+// consecutive tokens of one sequence (the verify regime): the one at the
+// sequence's new token j - j % tokens (j: t's index among them), if that
+// token's own lookup puts it in the same sequence at the matching position;
+// else, and with invalid metadata or one token per threadgroup, t's own.
+// Every threadgroup evaluates this the same way for the same token, so each
+// row is written by exactly one of them, whatever the metadata.
+inline int decode_owner(
+    constant PagedAttentionArgs& args,
+    const device int* seq_lens,
+    const device int* cu_seqlens_q,
+    int t,
+    TokenPlace place,
+    int tokens) {
+  if (tokens <= 1 || !place.valid) {
+    return t;
+  }
+  const int j = place.pos - (place.len - place.new_tokens);
+  const int c = t - j % tokens;
+  if (c == t) {
+    return t;
+  }
+  const TokenPlace lead = locate_token(args, seq_lens, cu_seqlens_q, c);
+  return (lead.valid && lead.seq == place.seq && lead.pos == place.pos - (t - c)) ? c : t;
+}
+
 // Cache block holding key position `key` of sequence `seq`, or -1 when the
 // block table names a block outside the cache. Callers pass only keys below
 // a validated seq_len, so the table index is within max_blocks_per_seq.

@@ -66,7 +66,10 @@ struct PagedAttentionArgs {
   int decode_heads;
   int decode_chunks;
   int causal;    // 1: keys up to the row's position; 0: the whole sequence (encoders)
-  int reserved;  // keeps the struct free of padding
+  // Decode only: the most consecutive tokens of one sequence a threadgroup
+  // computes (1 .. kDecodeMaxTokens; > 1: the verify regime), with
+  // decode_tokens x decode_heads <= the kernel's rows.
+  int decode_tokens;
 };
 
 static_assert(sizeof(PagedAttentionArgs) == 16 * 8 + 20 * 4,

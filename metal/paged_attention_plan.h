@@ -105,7 +105,7 @@ inline QueryClass query_class(int num_tokens, int num_seqs) {
     return kQueryDecode;
   }
   const int64_t prefill_tokens = int64_t(kPrefillMinTokensPerSeq) * num_seqs;
-  return num_tokens >= prefill_tokens ? kQueryPrefill : kQueryShort;
+  return num_tokens >= prefill_tokens ? kQueryPrefill : kQueryVerify;
 }
 
 inline BatchClass batch_class(int num_tokens, int num_kv_heads) {
@@ -115,11 +115,13 @@ inline BatchClass batch_class(int num_tokens, int num_kv_heads) {
 // Test hooks (0: what the table says): a partition size to force; the most
 // heads per decode threadgroup (1: the per-head kernel; else the tier's
 // grouped width, also for a group of 1); decode simdgroups
-// (1..kDecodeMaxSimdgroups).
+// (1..kDecodeMaxSimdgroups); the most tokens per decode threadgroup
+// (1..kDecodeMaxTokens, within the width as the table's).
 struct PlanOverrides {
   int partition_size = 0;
   int decode_heads = 0;
   int decode_simdgroups = 0;
+  int decode_tokens = 0;
 };
 
 // `args` arrives with shapes, strides and parameters filled in (v_head_dim
@@ -150,10 +152,17 @@ inline PagedAttentionPlan plan_paged_attention(
 
   // Heads per decode threadgroup: the row's width, the group split into
   // ceil(group / width) chunks whose sizes differ by at most one; a group of
-  // 1 runs the per-head kernel.
+  // 1 runs the per-head kernel, unless the row asks for several tokens per
+  // threadgroup (the verify regime: the grouped kernel's rows then hold
+  // tokens).
+  const int tokens_wanted =
+      overrides.decode_tokens > 0 ? overrides.decode_tokens : config.decode_tokens;
+  if (tokens_wanted < 1 || tokens_wanted > kDecodeMaxTokens) {
+    throw std::invalid_argument("[paged_attention] decode tokens per threadgroup outside 1..8");
+  }
   const int width = overrides.decode_heads > 0 ? overrides.decode_heads
-      : args.group > 1                   ? config.decode_heads
-                                         : 1;
+      : args.group > 1 || tokens_wanted > 1 ? config.decode_heads
+                                            : 1;
   if (width != 1 && width != decode_group_heads(plan.dims_class)) {
     throw std::invalid_argument("[paged_attention] no decode kernel for " +
                                 std::to_string(width) + " heads per threadgroup at this tier");
@@ -166,8 +175,15 @@ inline PagedAttentionPlan plan_paged_attention(
   const int group = std::max(args.group, 1);
   args.decode_chunks = (group + width - 1) / width;
   args.decode_heads = (group + args.decode_chunks - 1) / args.decode_chunks;  // <= width
+  // Tokens per threadgroup: what the row asks, within the rows the width
+  // leaves after the chunk's heads.
+  args.decode_tokens = std::max(1, std::min(tokens_wanted, width / args.decode_heads));
+  // Threadgroups that compute rows (in the verify regime about one per
+  // decode_tokens tokens: the others return at once), for the partition
+  // choice below.
   const int64_t decode_threadgroups =
-      int64_t(args.num_tokens) * args.num_kv_heads * args.decode_chunks;
+      (int64_t(args.num_tokens) + args.decode_tokens - 1) / args.decode_tokens *
+      args.num_kv_heads * args.decode_chunks;
 
   args.num_partitions = 1;
   args.partition_size = static_cast<int>(std::min<int64_t>(capacity, INT32_MAX));

@@ -9,13 +9,18 @@
 //                                            of them), or one key partition
 //   decode, per head  4 or 8 simdgroups      1 query row (token, head), or one
 //                                            key partition of it (group 1)
+//   decode, verify    4 or 8 simdgroups      up to decode_tokens consecutive
+//                     (the table's verify    tokens of one sequence x the
+//                     rows)                  query heads of one KV head (the
+//                                            grouped kernel: tokens x heads
+//                                            <= its width), or one partition
 //   decode reduce     1 simdgroup  (32)      1 query row: merges its partitions
 //   prefill           4 simdgroups (128)     16 consecutive tokens x 1 head
 //   prefill, large    8 simdgroups (256)     16 consecutive tokens x 1 head
 //     head dims (> 256)
 //
 // Rows of sequences with >= kPrefillMinTokensPerSeq new tokens go to prefill,
-// all others to decode; the kernels decide per row on the GPU, so a mixed
+// all others (decode, speculative decoding's verify rows: up to 8) to decode; the kernels decide per row on the GPU, so a mixed
 // batch (chunked prefill next to decodes) runs both, each on its own rows.
 //
 // Why these numbers (first choices, not yet measured on a Mac):
@@ -48,6 +53,16 @@
 // - A sequence needs about half a tile of new tokens before staging K/V for
 //   the tile beats reading it per row; below that (decode, speculative
 //   decode) rows go to the decode kernel, whose threadgroups are independent.
+//   Verify rows of up to 8 tokens (the last token + 7 drafts) stay there too
+//   (kPrefillMinTokensPerSeq 9): the verify regime reads each K/V row once
+//   for several of a sequence's tokens, and prefill, which reads K/V once
+//   per query head, would split 8-token sequences across its 16-token tiles.
+// - Verify regime: the grouped kernel's registers hold `width` rows (q slice
+//   and accumulator each, see the widths above); a chunk of the group leaves
+//   width / heads of them for more tokens of the same sequence, each K/V row
+//   then read once for tokens x heads rows instead of heads (MHA at d128: 8
+//   tokens per read instead of 1; GQA 4 at d128: 2; a group that fills the
+//   width: 1, as in decode).
 // - Head dims past 256 (latent attention, MLA: keys of kv_lora_rank + rope
 //   dims, e.g. 512 + 64, values of kv_lora_rank) use one large tier: 18 key
 //   dims and 16 value dims per lane. Its prefill keeps 2 rows per simdgroup
@@ -75,7 +90,11 @@ enum PagedAttentionTuning : int {
   kPartitionTargetThreadgroups = 1024,
   kReduceSimdgroups = 1,
 
-  kPrefillMinTokensPerSeq = 8,
+  // The most tokens of one sequence a decode threadgroup computes (verify
+  // regime; the table's decode_tokens).
+  kDecodeMaxTokens = 8,
+
+  kPrefillMinTokensPerSeq = 9,
   kPrefillSimdgroups = 4,
   kPrefillRowsPerSimdgroup = 4,
   kPrefillTokensPerTile = kPrefillSimdgroups * kPrefillRowsPerSimdgroup,
@@ -106,9 +125,10 @@ enum PagedAttentionTuning : int {
 //
 //   head-dim class   the tier: 32..128 | 256 | large (576)
 //   query class      decode:  num_tokens <= num_seqs (one new token each)
-//                    short:   fewer than kPrefillMinTokensPerSeq new tokens
-//                             per sequence on average (speculative decode,
-//                             a short chunk next to decodes)
+//                    verify:  fewer than kPrefillMinTokensPerSeq new tokens
+//                             per sequence on average (speculative
+//                             decoding's verify rows, 2..8 each; a short
+//                             chunk next to decodes)
 //                    prefill: at least that many (most rows are prefill's)
 //   batch class      small:   num_tokens * num_kv_heads < kLargeBatchKvRows
 //                    large:   otherwise
@@ -117,6 +137,10 @@ enum PagedAttentionTuning : int {
 // threadgroup computes: 1 runs the per-head kernel, otherwise the tier's
 // grouped width (the only other instantiation); a group of 1 always runs the
 // per-head kernel. decode_simdgroups: threads / 32 of a decode threadgroup.
+// decode_tokens: the most consecutive tokens of one sequence a decode
+// threadgroup computes (> 1: the verify regime, on the grouped kernel also
+// for a group of 1; the plan gives it min(decode_tokens, width / heads of a
+// chunk), so 1 where the group fills the width).
 // partition: whether decode may split keys (see above) when the grid is short
 // of threadgroups. Prefill has one tile configuration per tier (its template
 // arguments, the enums above); the table does not vary it.
@@ -125,12 +149,19 @@ enum PagedAttentionTuning : int {
 // - Every row groups heads (decode_heads = the tier's width): decode is bound
 //   by K/V reads and grouping divides them by the chunk size; nothing argues
 //   for re-reading K/V per query head in any class.
-// - decode/short, small batch: 8 simdgroups and partitions. Few threadgroups
+// - decode/verify, small batch: 8 simdgroups and partitions. Few threadgroups
 //   (grouping made them fewer still), so each keeps many keys in flight and
 //   long contexts split keys until the GPU is full.
-// - decode/short, large batch: 4 simdgroups, no partitions. The grid alone
+// - decode/verify, large batch: 4 simdgroups, no partitions. The grid alone
 //   fills the GPU; smaller threadgroups halve the merge each one ends with and
 //   let more of them share a core.
+// - verify, any batch: decode_tokens 8, i.e. as many of a sequence's verify
+//   tokens as the width leaves room for: K/V reads bound these rows as they
+//   bound decode, and the tokens of a sequence see the same keys but their
+//   last few. (The same trade the CPU kernel's verify tiles measure,
+//   csrc/cpu/paged_attention_tiles.h; an SGLang study of this shape found the
+//   right tile worth 25-82% per shape on GPUs.) decode and prefill rows: 1
+//   (one token per sequence; prefill's decode rows are mostly decodes).
 // - prefill, any batch: 4 simdgroups. Most decode threadgroups belong to
 //   prefill rows and return after one lookup, so they should be cheap to
 //   launch; the decode rows of a mixed batch are a few. Partitions stay
@@ -140,7 +171,7 @@ enum PagedAttentionTuning : int {
 //   which follows registers (above); they are separate rows so that tuning
 //   can make them differ.
 enum HeadDimClass : int { kDimsUpTo128 = 0, kDims256 = 1, kDimsLarge = 2 };
-enum QueryClass : int { kQueryDecode = 0, kQueryShort = 1, kQueryPrefill = 2 };
+enum QueryClass : int { kQueryDecode = 0, kQueryVerify = 1, kQueryPrefill = 2 };
 enum BatchClass : int { kBatchSmall = 0, kBatchLarge = 1 };
 
 struct DecodeShapeConfig {
@@ -150,28 +181,29 @@ struct DecodeShapeConfig {
   int decode_heads;
   int decode_simdgroups;
   bool partition;
+  int decode_tokens;
 };
 
 inline constexpr DecodeShapeConfig kDecodeShapeTable[] = {
-    // dims        queries        batch        decode_heads           sg  partition
-    {kDimsUpTo128, kQueryDecode,  kBatchSmall, kDecodeGroupHeadsSmall, 8, true},
-    {kDimsUpTo128, kQueryDecode,  kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
-    {kDimsUpTo128, kQueryShort,   kBatchSmall, kDecodeGroupHeadsSmall, 8, true},
-    {kDimsUpTo128, kQueryShort,   kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
-    {kDimsUpTo128, kQueryPrefill, kBatchSmall, kDecodeGroupHeadsSmall, 4, true},
-    {kDimsUpTo128, kQueryPrefill, kBatchLarge, kDecodeGroupHeadsSmall, 4, false},
-    {kDims256,     kQueryDecode,  kBatchSmall, kDecodeGroupHeads256,   8, true},
-    {kDims256,     kQueryDecode,  kBatchLarge, kDecodeGroupHeads256,   4, false},
-    {kDims256,     kQueryShort,   kBatchSmall, kDecodeGroupHeads256,   8, true},
-    {kDims256,     kQueryShort,   kBatchLarge, kDecodeGroupHeads256,   4, false},
-    {kDims256,     kQueryPrefill, kBatchSmall, kDecodeGroupHeads256,   4, true},
-    {kDims256,     kQueryPrefill, kBatchLarge, kDecodeGroupHeads256,   4, false},
-    {kDimsLarge,   kQueryDecode,  kBatchSmall, kDecodeGroupHeadsLarge, 8, true},
-    {kDimsLarge,   kQueryDecode,  kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
-    {kDimsLarge,   kQueryShort,   kBatchSmall, kDecodeGroupHeadsLarge, 8, true},
-    {kDimsLarge,   kQueryShort,   kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
-    {kDimsLarge,   kQueryPrefill, kBatchSmall, kDecodeGroupHeadsLarge, 4, true},
-    {kDimsLarge,   kQueryPrefill, kBatchLarge, kDecodeGroupHeadsLarge, 4, false},
+    // dims        queries        batch        decode_heads            sg  part.  tokens
+    {kDimsUpTo128, kQueryDecode,  kBatchSmall, kDecodeGroupHeadsSmall, 8, true,  1},
+    {kDimsUpTo128, kQueryDecode,  kBatchLarge, kDecodeGroupHeadsSmall, 4, false, 1},
+    {kDimsUpTo128, kQueryVerify,  kBatchSmall, kDecodeGroupHeadsSmall, 8, true,  8},
+    {kDimsUpTo128, kQueryVerify,  kBatchLarge, kDecodeGroupHeadsSmall, 4, false, 8},
+    {kDimsUpTo128, kQueryPrefill, kBatchSmall, kDecodeGroupHeadsSmall, 4, true,  1},
+    {kDimsUpTo128, kQueryPrefill, kBatchLarge, kDecodeGroupHeadsSmall, 4, false, 1},
+    {kDims256,     kQueryDecode,  kBatchSmall, kDecodeGroupHeads256,   8, true,  1},
+    {kDims256,     kQueryDecode,  kBatchLarge, kDecodeGroupHeads256,   4, false, 1},
+    {kDims256,     kQueryVerify,  kBatchSmall, kDecodeGroupHeads256,   8, true,  8},
+    {kDims256,     kQueryVerify,  kBatchLarge, kDecodeGroupHeads256,   4, false, 8},
+    {kDims256,     kQueryPrefill, kBatchSmall, kDecodeGroupHeads256,   4, true,  1},
+    {kDims256,     kQueryPrefill, kBatchLarge, kDecodeGroupHeads256,   4, false, 1},
+    {kDimsLarge,   kQueryDecode,  kBatchSmall, kDecodeGroupHeadsLarge, 8, true,  1},
+    {kDimsLarge,   kQueryDecode,  kBatchLarge, kDecodeGroupHeadsLarge, 4, false, 1},
+    {kDimsLarge,   kQueryVerify,  kBatchSmall, kDecodeGroupHeadsLarge, 8, true,  8},
+    {kDimsLarge,   kQueryVerify,  kBatchLarge, kDecodeGroupHeadsLarge, 4, false, 8},
+    {kDimsLarge,   kQueryPrefill, kBatchSmall, kDecodeGroupHeadsLarge, 4, true,  1},
+    {kDimsLarge,   kQueryPrefill, kBatchLarge, kDecodeGroupHeadsLarge, 4, false, 1},
 };
 
 inline constexpr int kDecodeShapeTableRows =
@@ -211,11 +243,15 @@ constexpr bool decode_shape_table_is_valid() {
     if (r.decode_simdgroups < 1 || r.decode_simdgroups > kDecodeMaxSimdgroups) {
       return false;
     }
+    if (r.decode_tokens < 1 || r.decode_tokens > kDecodeMaxTokens) {
+      return false;
+    }
   }
   return true;
 }
 static_assert(decode_shape_table_is_valid(),
-              "kDecodeShapeTable: one row per class, instantiated widths, 1..8 simdgroups");
+              "kDecodeShapeTable: one row per class, instantiated widths, 1..8 simdgroups, "
+              "1..kDecodeMaxTokens tokens");
 #endif  // __METAL_VERSION__
 
 } // namespace vllm_metal

@@ -61,28 +61,30 @@ struct RowKeys {
 // all units; `partials` sized for the split units' partial rows.
 inline void plan_units(const Geometry& g, const RowKeys& keys, int thread_count, std::vector<Unit>& units,
                        std::vector<Unit>& merges, std::vector<float>& partials) {
-  struct Tile { int seq, tb, te, pb, pe; };
+  // all_heads: the tile's KV heads may share one unit (decode tiles, and
+  // verify tiles whose table entry says so).
+  struct Tile { int seq, tb, te, pb, pe; bool all_heads; };
   std::vector<Tile> tiles;
+  const VerifyTile verify = verify_tile(g.head_dim, g.num_seqs);
   for (int s = 0; s < g.num_seqs; ++s) {
     int n = keys.cu[s + 1] - keys.cu[s];
     const QueryClass c = query_class(n);
-    int rows = rows_per_tile(c, g.head_dim, g.group);
-    if (c == QueryClass::prefill && prefill_rows_override() > 0) {
-      rows = prefill_rows_override();
-    }
-    const int tile_tokens = std::max(1, rows / g.group);
+    const int tile_tokens = c == QueryClass::verify
+        ? (verify.tokens > 0 ? verify.tokens : n)
+        : std::max(1, rows_per_tile(c, g.head_dim, g.group) / g.group);
+    const bool all_heads = n == 1 || (c == QueryClass::verify && verify.kv_heads == 0);
     for (int tb = 0; tb < n; tb += tile_tokens) {
       int te = std::min(n, tb + tile_tokens);
       int lo = keys.lo(keys.pos(s, tb));
       int hi = keys.hi(s, keys.pos(s, te - 1)) - 1;  // inclusive
-      tiles.push_back({s, tb, te, lo / kPartition, hi / kPartition + 1});
+      tiles.push_back({s, tb, te, lo / kPartition, hi / kPartition + 1, all_heads});
     }
   }
   const std::size_t threads = static_cast<std::size_t>(std::max(1, thread_count));
   const std::size_t base_units = tiles.size() * g.num_kv_heads;
   const bool split = base_units < 2 * threads;
   // With enough sequences to occupy the cores, a decode sequence's KV heads
-  // go in one unit, which walks the key steps once for all of them: each
+  // (and a verify tile's, where kVerifyTiles says so) go in one unit, which walks the key steps once for all of them: each
   // block's rows are then read for every head within one step, in address
   // order, instead of a third (or an eighth) of each row by units that run
   // at different times -- the access the memory system streams best
@@ -91,7 +93,7 @@ inline void plan_units(const Geometry& g, const RowKeys& keys, int thread_count,
   const bool whole_seq = tiles.size() >= 2 * threads;
   int64_t partial_floats = 0;
   for (const auto& t : tiles) {
-    if (whole_seq && keys.cu[t.seq + 1] - keys.cu[t.seq] == 1) {
+    if (whole_seq && t.all_heads) {
       units.push_back({t.seq, t.tb, t.te, 0, g.num_kv_heads, t.pb, t.pe, -1});
       continue;
     }

@@ -118,7 +118,8 @@ class Executor:
                         cu_seqlens_q, *, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None, sinks: np.ndarray | None = None,
                         v_head_dim: int | None = None, causal: bool = True, partition_size: int = 0,
-                        decode_heads: int = 0, decode_simdgroups: int = 0, seed: int = 0,
+                        decode_heads: int = 0, decode_simdgroups: int = 0, decode_tokens: int = 0,
+                        seed: int = 0,
                         at_start: bool = False,
                         kernels: tuple[str, ...] = ("decode", "prefill"),
                         cache_format: str | None = None,
@@ -129,8 +130,9 @@ class Executor:
         sinks float32, which the op casts them to). `kernels` leaves out decode
         (with its reduce) or prefill, to see which rows each writes; rows no
         kernel writes come out NaN. partition_size, decode_heads (1: the
-        per-head kernel, else the tier's grouped width) and decode_simdgroups
-        override the plan's choice when non-zero (PlanOverrides).
+        per-head kernel, else the tier's grouped width), decode_simdgroups and
+        decode_tokens (the most tokens per decode threadgroup: the verify
+        regime) override the plan's choice when non-zero (PlanOverrides).
         cache_format "fp8e4m3" / "fp8e5m2": the caches are uint8 8-bit floats.
         """
         c = ctypes
@@ -161,7 +163,8 @@ class Executor:
             (c.c_uint64 * 7)(*[b.nbytes for b, _, _ in views]),
             (c.c_int64 * 7)(*[o for _, o, _ in views]), scale, sliding_window or 0,
             softcap or 0.0, int(has_sinks), int(causal),
-            (c.c_int * 3)(partition_size, decode_heads, decode_simdgroups), int(at_start), seed,
+            (c.c_int * 4)(partition_size, decode_heads, decode_simdgroups, decode_tokens), int(at_start),
+            seed,
             self.workers, int("decode" in kernels) | 2 * int("prefill" in kernels),
             out.ctypes.data, info, name, len(name), err, len(err))
         if rc != 0:
@@ -173,7 +176,7 @@ class Executor:
              head_dim: int, v_head_dim: int | None = None, num_seqs: int,
              block_size: int = 16, max_blocks_per_seq: int = 8, num_blocks: int = 64,
              partition_size: int = 0, decode_heads: int = 0,
-             decode_simdgroups: int = 0) -> dict:
+             decode_simdgroups: int = 0, decode_tokens: int = 0) -> dict:
         """The launch plan eval_gpu would make for these shapes (nothing runs)."""
         c = ctypes
         dims = [num_tokens, num_heads, head_dim, num_blocks, block_size, num_kv_heads,
@@ -183,7 +186,7 @@ class Executor:
         err = c.create_string_buffer(4096)
         rc = self.lib.vm_paged_attention_plan(
             dtype.encode(), DTYPES[dtype][1], (c.c_int64 * 9)(*dims),
-            (c.c_int * 3)(partition_size, decode_heads, decode_simdgroups), info, name,
+            (c.c_int * 4)(partition_size, decode_heads, decode_simdgroups, decode_tokens), info, name,
             len(name), err, len(err))
         if rc != 0:
             raise ValueError(err.value.decode())
@@ -191,14 +194,15 @@ class Executor:
 
     def decode_shape_table(self) -> list[dict]:
         """kDecodeShapeTable (paged_attention_tuning.h), row by row."""
-        row = (ctypes.c_int64 * 6)()
+        row = (ctypes.c_int64 * 7)()
         n = self.lib.vm_decode_shape_table(-1, row)
         rows = []
         for i in range(n):
             self.lib.vm_decode_shape_table(i, row)
             rows.append({"dims": HEAD_DIM_CLASSES[row[0]], "queries": QUERY_CLASSES[row[1]],
                          "batch": BATCH_CLASSES[row[2]], "decode_heads": int(row[3]),
-                         "decode_simdgroups": int(row[4]), "partition": bool(row[5])})
+                         "decode_simdgroups": int(row[4]), "partition": bool(row[5]),
+                         "decode_tokens": int(row[6])})
         return rows
 
     def gated_delta_kernel_name(self, dtype: str, key_dim: int) -> str:
@@ -288,9 +292,9 @@ class Executor:
 
 # The shape classes of paged_attention_tuning.h, by enum value.
 HEAD_DIM_CLASSES = ("up_to_128", "256", "large")
-QUERY_CLASSES = ("decode", "short", "prefill")
+QUERY_CLASSES = ("decode", "verify", "prefill")
 BATCH_CLASSES = ("small", "large")
-_PLAN_INFO = 12  # kPlanInfo in msl/paged_attention_driver.cpp
+_PLAN_INFO = 13  # kPlanInfo in msl/paged_attention_driver.cpp
 
 
 def _plan_dict(info, name) -> dict:
@@ -300,7 +304,7 @@ def _plan_dict(info, name) -> dict:
         "queries": QUERY_CLASSES[info[4]], "batch": BATCH_CLASSES[info[5]],
         "decode_heads": int(info[6]), "decode_chunks": int(info[7]),
         "decode_threads": int(info[8]), "decode_grid": (int(info[9]), int(info[10]), int(info[11])),
-        "decode_kernel": name.value.decode(),
+        "decode_tokens": int(info[12]), "decode_kernel": name.value.decode(),
     }
 
 

@@ -25,10 +25,11 @@ TOLERANCE = {  # dtype -> (atol, rtol)
 }
 
 # Batch shapes -> which kernels write its rows (decided per row on the GPU:
-# sequences with >= 8 new tokens go to prefill, the rest to decode).
+# sequences with >= 9 new tokens go to prefill, the rest -- decodes and
+# speculative decoding's verify rows, up to 8 -- to decode).
 KINDS = {
     "decode": {"decode"},                    # a few sequences, one new token each
-    "multi_token_decode": {"decode"},        # 2..7 new tokens each (speculative decode)
+    "multi_token_decode": {"decode"},        # 2..8 new tokens each (speculative decoding's verify rows)
     "prefill": {"prefill"},                  # fresh and chunked prefills
     "mixed": {"decode", "prefill"},          # decodes next to a prefill chunk
     "long_decode": {"decode"},               # contexts long enough to be partitioned
@@ -95,17 +96,23 @@ def _batch(rng: np.random.Generator, kind: str) -> tuple[list[int], list[int]]:
         cached, chunk = r(5, 60), r(9, 40)
         return [fresh, cached + chunk], [fresh, chunk]
     if kind == "multi_token_decode":
-        new = [r(2, 7) for _ in range(4)]
+        new = [r(2, 8) for _ in range(4)]
         return [r(n, 120) for n in new], new
     if kind == "mixed":
         lens = [r(1, 120) for _ in range(r(2, 6))]
-        cached, chunk = r(0, 40), r(8, 40)
+        cached, chunk = r(0, 40), r(9, 40)
         at = r(0, len(lens))  # the chunk anywhere among the decodes
         return (lens[:at] + [cached + chunk] + lens[at:],
                 [1] * at + [chunk] + [1] * (len(lens) - at))
     if kind == "long_decode":
         lens = [r(700, 1300) for _ in range(2)]
         return lens, [1, 1]
+    if kind.startswith("verify_b"):  # verify_b<N>: N sequences of 2..8 new tokens (the verify regime)
+        new = [r(2, 8) for _ in range(int(kind.removeprefix("verify_b")))]
+        lens = [r(n, 90) for n in new]
+        if len(new) == 1:  # alone: a context long enough for the plan's own key partitions
+            lens = [r(600, 1100)]
+        return lens, new
     raise ValueError(kind)
 
 

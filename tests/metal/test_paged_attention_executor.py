@@ -33,7 +33,7 @@ def test_matches_cpu_primitive(executor, rng, dtype, head_dim, group, block_size
     case = make_case(rng, dtype=dtype, head_dim=head_dim, group=group,
                      block_size=block_size, kind=kind)
     out, info = run(executor, case)
-    assert info["prefill_dispatched"] == (len(case.q) >= 8)
+    assert info["prefill_dispatched"] == (len(case.q) >= 9)
     if kind == "long_decode":
         assert info["partitions"] > 1
     assert_close(out, cpu_reference(case), dtype, f"{kind} {info}")
@@ -41,12 +41,12 @@ def test_matches_cpu_primitive(executor, rng, dtype, head_dim, group, block_size
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_row_is_written_by_its_kernel(executor, rng, kind):
-    """Rows of sequences with >= 8 new tokens come from the prefill kernel,
+    """Rows of sequences with >= 9 new tokens come from the prefill kernel,
     all others from decode: running one kernel alone leaves exactly the other
     kernel's rows unwritten (NaN, the executor's poison)."""
     case = make_case(rng, dtype="float32", head_dim=64, group=2, block_size=16, kind=kind)
     new_tokens = np.diff(case.cu_seqlens_q)
-    prefill_rows = np.repeat(new_tokens >= 8, new_tokens)
+    prefill_rows = np.repeat(new_tokens >= 9, new_tokens)
     ref = cpu_reference(case)
     for kernel, mine in (("decode", ~prefill_rows), ("prefill", prefill_rows)):
         out, _ = run(executor, case, kernels=(kernel,))
@@ -202,12 +202,15 @@ def grouped_case(rng, *, dtype, head_dim, group, kind, **kw):
 
 
 def check_grouped_plan(info, case, head_dim, group):
-    """The plan ran the grouped kernel (per head for a group of 1) with
-    balanced chunks of at most the tier's width."""
+    """The plan ran the grouped kernel (per head for a group of 1, but for
+    verify rows) with balanced chunks of at most the tier's width."""
     width = GROUPED_DIMS[head_dim][3]
     kv_heads = case.key_cache.shape[2]
     chunks = -(-group // width)
-    assert ("_decode_gqa%d_" % width in info["decode_kernel"]) == (group > 1), info
+    grouped = group > 1 or info["queries"] == "verify"
+    assert ("_decode_gqa%d_" % width in info["decode_kernel"]) == grouped, info
+    assert info["decode_tokens"] == (max(1, width // info["decode_heads"])
+                                     if info["queries"] == "verify" else 1), info
     assert info["decode_chunks"] == (chunks if group > 1 else 1), info
     assert info["decode_heads"] == (-(-group // chunks) if group > 1 else 1), info
     assert info["decode_grid"][:2] == (kv_heads * info["decode_chunks"], len(case.q)), info
@@ -307,8 +310,8 @@ def test_grouped_decode_with_eight_kv_heads(executor, rng):
 # 512).
 CLASS_SHAPES = {
     ("decode", "small"): (4, 4), ("decode", "large"): (64, 64),
-    ("short", "small"): (12, 4), ("short", "large"): (192, 64),
-    ("prefill", "small"): (16, 2), ("prefill", "large"): (64, 8),
+    ("verify", "small"): (12, 4), ("verify", "large"): (192, 64),
+    ("prefill", "small"): (18, 2), ("prefill", "large"): (72, 8),
 }
 DIMS_OF_CLASS = {"up_to_128": [(32, None), (64, None), (80, None), (128, None)],
                  "256": [(192, 128), (256, None)], "large": [(576, 512), (288, 256)]}
@@ -323,6 +326,7 @@ def test_decode_shape_table_has_one_row_per_class(executor):
     for r in table:
         assert r["decode_heads"] in (1, WIDTH_OF_CLASS[r["dims"]])
         assert 1 <= r["decode_simdgroups"] <= 8
+        assert 1 <= r["decode_tokens"] <= 8
 
 
 @pytest.mark.parametrize("group", [1, 4, 12])
@@ -344,30 +348,32 @@ def test_plan_picks_the_table_row_for_each_class(executor, group):
                 assert (info["dims"], info["queries"], info["batch"]) == (
                     row["dims"], row["queries"], row["batch"]), what
                 assert info["decode_threads"] == 32 * row["decode_simdgroups"], what
-                width = row["decode_heads"] if group > 1 else 1
+                width = row["decode_heads"] if group > 1 or row["decode_tokens"] > 1 else 1
                 kind = "decode_grouped" if width > 1 else "decode"
                 assert info["decode_kernel"] == executor.host_kernel_name(
                     kind, dtype, head_dim, v_head_dim), what
                 chunks = -(-group // width)
                 assert info["decode_chunks"] == chunks, what
                 assert info["decode_heads"] == -(-group // chunks), what
+                assert info["decode_tokens"] == max(1, min(row["decode_tokens"],
+                                                           width // info["decode_heads"])), what
                 assert info["decode_grid"][:2] == (8 * chunks, tokens), what
                 threadgroups = 8 * chunks * tokens
                 assert (info["partitions"] > 1) == (row["partition"] and threadgroups < 1024), what
-                assert info["prefill_dispatched"] == (tokens >= 8), what
+                assert info["prefill_dispatched"] == (tokens >= 9), what
 
 
 @pytest.mark.parametrize("tokens,seqs,kv_heads,queries,batch", [
     (5, 5, 2, "decode", "small"), (3, 5, 2, "decode", "small"),   # sequences without tokens
-    (6, 5, 2, "short", "small"), (39, 5, 2, "short", "small"), (40, 5, 2, "prefill", "small"),
+    (6, 5, 2, "verify", "small"), (44, 5, 2, "verify", "small"), (45, 5, 2, "prefill", "small"),
     (1, 0, 2, "prefill", "small"),                                 # no sequences at all
     (511, 511, 1, "decode", "small"), (512, 512, 1, "decode", "large"),
     (127, 127, 4, "decode", "small"), (128, 128, 4, "decode", "large"),
-    (128, 64, 4, "short", "large"), (4096, 8, 1, "prefill", "large"),
+    (128, 64, 4, "verify", "large"), (4096, 8, 1, "prefill", "large"),
 ])
 def test_shape_class_boundaries(executor, tokens, seqs, kv_heads, queries, batch):
-    """decode: one token per sequence at most on average; short: fewer than 8;
-    prefill: 8 or more. large batch: num_tokens * num_kv_heads >= 512."""
+    """decode: one token per sequence at most on average; verify: fewer than 9;
+    prefill: 9 or more. large batch: num_tokens * num_kv_heads >= 512."""
     info = executor.plan("float16", num_tokens=tokens, num_heads=4 * kv_heads,
                          num_kv_heads=kv_heads, head_dim=128, num_seqs=seqs)
     assert (info["queries"], info["batch"]) == (queries, batch), info
@@ -479,9 +485,10 @@ def test_bad_metadata_gives_nan_rows_and_no_out_of_bounds_read(executor, rng, tm
 @pytest.mark.parametrize("kind", ["multi_token_decode", "long_decode"])
 @pytest.mark.parametrize("group", [1, 12])
 def test_bad_metadata_per_head_and_in_chunks(executor, rng, tmp_path, group, kind, how):
-    """The same NaN rows from the per-head decode kernel (a group of 1) and
-    from a group split over two grouped threadgroups (12 = 2 x 6); the test
-    above runs groups of 2 (one grouped threadgroup per KV head)."""
+    """The same NaN rows from a group of 1 (the per-head decode kernel, or
+    for verify rows the grouped one with 8 tokens per threadgroup) and from a
+    group split over two grouped threadgroups (12 = 2 x 6); the test above
+    runs groups of 2 (one grouped threadgroup per KV head and 4 tokens)."""
     case = make_case(rng, dtype="float16", head_dim=64, group=group, block_size=16, kind=kind)
     _check_bad_metadata(executor, tmp_path, case, kind, how)
 
@@ -583,3 +590,81 @@ def test_8bit_codes_decode_exactly(executor, dtype, cache_format):
     want = decoded if dtype == "float32" else np.array(mx.array(decoded).astype(getattr(mx, dtype)).astype(mx.float32))
     np.testing.assert_array_equal(out[:, 0][finite], want[finite])
     assert np.isnan(out[:, 0][np.isnan(decoded)]).all()
+
+
+# ---- The verify regime: several tokens of a sequence per decode threadgroup --
+#
+# Speculative decoding's verify rows (2..8 new tokens per sequence) are the
+# table's verify class: the grouped decode kernel computes up to
+# decode_tokens consecutive tokens of one sequence per threadgroup (within
+# the tier's width after the chunk's heads), reading each K/V row once for
+# all of them. Head dims 64, 128, 256 and 512 (the large tier), window on and
+# off, batch 1 (partitioned by the plan) and 32, against float64.
+
+VERIFY_DIMS = {64: 2, 128: 2, 256: 2, 512: 1}  # head_dim -> KV heads
+
+
+def verify_case(rng, *, head_dim, group, batch, **kw):
+    dtype = DTYPES[(head_dim // 64 + group + batch) % 3]
+    return make_case(rng, dtype=dtype, head_dim=head_dim, group=group, block_size=16,
+                     kind=f"verify_b{batch}", num_kv_heads=VERIFY_DIMS[head_dim], **kw)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", list(VERIFY_DIMS))
+def test_verify_regime_matches_float64(executor, rng, head_dim, group, window, batch):
+    case = verify_case(rng, head_dim=head_dim, group=group, batch=batch, sliding_window=window)
+    ref = numpy_reference(case)
+    width = {64: 8, 128: 8, 256: 4, 512: 2}[head_dim]
+    for tokens in (0, 1, 3, 8):  # 0: the table's (8, within the width)
+        out, info = run(executor, case, decode_tokens=tokens)
+        assert info["queries"] == "verify", info
+        assert info["decode_tokens"] == max(1, min(tokens or 8, width // info["decode_heads"])), info
+        assert (info["partitions"] > 1) == (batch == 1), info
+        assert_close(out, ref, case.dtype, f"tokens {tokens}: {info}")
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 3), (512, 1)])
+def test_verify_regime_sinks_window_softcap_partitions(executor, rng, head_dim, group, features):
+    """Per-row sinks, windows (a token's first keys differ from its
+    neighbours'), soft caps, and forced partitions (rows with empty ones)."""
+    case = verify_case(rng, head_dim=head_dim, group=group, batch=5, **features)
+    ref = numpy_reference(case)
+    for partition_size in (0, 32):
+        out, info = run(executor, case, partition_size=partition_size)
+        assert info["decode_tokens"] > 1, info
+        assert_close(out, ref, case.dtype, str(info))
+
+
+def test_verify_regime_tokens_do_not_cross_sequences(executor, rng):
+    """Threadgroups own tokens from their sequence's first new token in steps
+    of decode_tokens: sequences of 2..8 tokens packed back to back, with 3
+    tokens per threadgroup (tiles never aligned to the packing), plus a
+    decode and a prefill chunk in the same batch."""
+    new = [2, 7, 1, 8, 3, 5, 20, 4]
+    lens = [30, 9, 40, 8, 50, 61, 35, 77]
+    case = make_case(rng, dtype="float32", head_dim=128, group=1, block_size=16, kind="decode")
+    used = [(n + 15) // 16 for n in lens]
+    ids = rng.permutation(sum(used) + 2).astype(np.int32)
+    bt = np.full((len(new), max(used) + 1), -1, np.int32)
+    at = 0
+    for s, n in enumerate(used):
+        bt[s, :n] = ids[at:at + n]
+        at += n
+    draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+    case = dataclasses.replace(
+        case, q=draw(sum(new), 2, 128), key_cache=draw(len(ids), 16, 2, 128),
+        value_cache=draw(len(ids), 16, 2, 128), block_tables=bt, seq_lens=np.array(lens, np.int32),
+        cu_seqlens_q=np.concatenate([[0], np.cumsum(new)]).astype(np.int32), scale=128 ** -0.5)
+    ref = numpy_reference(case)
+    for tokens in (3, 8):
+        out, info = run(executor, case, decode_tokens=tokens)
+        assert info["decode_tokens"] == tokens, info
+        assert_close(out, ref, "float32", str(info))
+        only_decode, _ = run(executor, case, decode_tokens=tokens, kernels=("decode",))
+        prefill_rows = np.repeat(np.array(new) >= 9, new)
+        assert np.isnan(only_decode[prefill_rows]).all()
+        assert_close(only_decode[~prefill_rows], ref[~prefill_rows], "float32", str(info))

@@ -30,14 +30,15 @@ PlanOverrides plan_overrides(const int* overrides) {
   o.partition_size = overrides[0];
   o.decode_heads = overrides[1];
   o.decode_simdgroups = overrides[2];
+  o.decode_tokens = overrides[3];
   return o;
 }
 
 // info: {1 if the prefill kernel is dispatched (after decode), decode
 // partitions, table row, head-dim class, query class, batch class, decode
 // heads per threadgroup (the most), decode chunks per KV head, decode
-// threads, decode grid x, y, z}.
-constexpr int kPlanInfo = 12;
+// threads, decode grid x, y, z, decode tokens per threadgroup (the most)}.
+constexpr int kPlanInfo = 13;
 
 void plan_info(const PagedAttentionPlan& plan, int64_t* info, char* decode_name,
                uint64_t decode_name_bytes) {
@@ -45,7 +46,8 @@ void plan_info(const PagedAttentionPlan& plan, int64_t* info, char* decode_name,
       plan.has_prefill ? 1 : 0,      plan.args.num_partitions,  plan.table_row,
       int64_t(plan.dims_class),      int64_t(plan.query_class), int64_t(plan.batch_class),
       plan.args.decode_heads,        plan.args.decode_chunks,   plan.decode.threads,
-      plan.decode.grid[0],           plan.decode.grid[1],       plan.decode.grid[2]};
+      plan.decode.grid[0],           plan.decode.grid[1],       plan.decode.grid[2],
+      plan.args.decode_tokens};
   for (int i = 0; i < kPlanInfo; ++i) {
     info[i] = values[i];
   }
@@ -59,7 +61,8 @@ void plan_info(const PagedAttentionPlan& plan, int64_t* info, char* decode_name,
 // offsets[i] of the base buffer bases[i] (base_bytes[i] bytes); the sinks
 // (float32) are read only when has_sinks, else q sits in their slot, as in
 // eval_gpu. overrides: {partition size, decode heads per threadgroup, decode
-// simdgroups}, 0 each for the plan's own choice (PlanOverrides). info
+// simdgroups, decode tokens per threadgroup}, 0 each for the plan's own
+// choice (PlanOverrides). info
 // receives kPlanInfo entries (see plan_info); decode_name the decode kernel's
 // name. kernels: bit 0 runs decode (and reduce), bit 1 prefill; eval_gpu
 // runs both (3), tests run one to see which rows each writes. Returns 0, or 1
@@ -195,13 +198,15 @@ extern "C" int vm_paged_attention_plan(const char* dtype_name, int itemsize,
 }
 
 // Row i of kDecodeShapeTable: {head-dim class, query class, batch class,
-// decode heads, decode simdgroups, partition}. Returns the number of rows.
+// decode heads, decode simdgroups, partition, decode tokens}. Returns the
+// number of rows.
 extern "C" int vm_decode_shape_table(int i, int64_t* row) {
   if (i >= 0 && i < kDecodeShapeTableRows) {
     const DecodeShapeConfig& r = kDecodeShapeTable[i];
-    const int64_t values[6] = {int64_t(r.dims), int64_t(r.queries), int64_t(r.batch),
-                               r.decode_heads, r.decode_simdgroups, r.partition ? 1 : 0};
-    for (int j = 0; j < 6; ++j) {
+    const int64_t values[7] = {int64_t(r.dims),     int64_t(r.queries),   int64_t(r.batch),
+                               r.decode_heads,      r.decode_simdgroups, r.partition ? 1 : 0,
+                               r.decode_tokens};
+    for (int j = 0; j < 7; ++j) {
       row[j] = values[j];
     }
   }
