@@ -3,15 +3,17 @@ layer, from random weights: the Hub is out of reach, and no GLM checkpoint
 small enough for two CPU cores exists there anyway. What it measures is the
 MTP machinery's cost and gain at a known acceptance, not GLM's own.
 
-`add_mtp_layer` turns a checkpoint of n + 1 layers into one of n layers
-plus GLM's MTP layer `model.layers.{n}` (its decoder block, and enorm,
-hnorm, eh_proj, shared_head.norm beside it; no shared_head.head: vLLM then
-uses the target's lm_head), config `num_nextn_predict_layers: 1`. Every
+`add_mtp_layer` turns a checkpoint of n + 1 layers (any family whose MTP
+layer is its own decoder block: GLM-4.5's, DeepSeek-V3's) into one of n
+layers plus the MTP layer `model.layers.{n}` (its decoder block, and enorm,
+hnorm, eh_proj, shared_head.norm beside it; shared_head.head and
+embed_tokens only as copies, as DeepSeek-V3 ships them: vLLM uses the
+target's), config `num_nextn_predict_layers: 1`. Every
 block's output projections are scaled by `damp` and eh_proj is close to
 [identity, mix x random]: with a small damp the next token follows mostly
 from the last one, and the MTP layer's first draft is taken about half the
 time (damp 0.1); with damp 1 its drafts depend on all of its arithmetic.
-tests/speculative/mtp_model.py builds its tiny checkpoints with it.
+tests/speculative/mtp_model.py and deepseek_mtp_model.py build their tiny checkpoints with it.
 
     .venv/bin/python benchmarks/synthetic_mtp.py OUT_DIR     # the benchmark's size (bench_speculative --mtp)
 """
@@ -58,8 +60,14 @@ CONFIGS = {"small": BENCH_CONFIG, "big": BIG_CONFIG, "llama": LLAMA_CONFIG}
 DAMP = {"small": BENCH_MTP, "big": dict(damp=0.002), "llama": dict(damp=0.002)}
 
 
-def add_mtp_layer(out: Path, seed: int = 3, damp: float = 0.1, noise: float = 0.003, mix: float = 0.05) -> str:
-    """`out` (model.safetensors + config.json of n + 1 layers) made a checkpoint of n layers and an MTP layer."""
+def add_mtp_layer(out: Path, seed: int = 3, damp: float = 0.1, noise: float = 0.003, mix: float = 0.05,
+                  copies: bool = False, spread: float = 0.05) -> str:
+    """`out` (model.safetensors + config.json of n + 1 layers) made a checkpoint of n layers and an MTP layer.
+    Any family whose MTP layer is its own decoder block with these tensors beside it (GLM-4.5's, DeepSeek-V3's
+    layout). copies: the layer also carries copies of the embedding and LM head (`embed_tokens`,
+    `shared_head.head`), as DeepSeek-V3's checkpoints do. An MLX-quantized checkpoint's quantized matrices
+    are left undamped. spread: the MTP layer's norm weights' deviation from 1 (their shape matters where
+    a pass reads the pass before's normed rows: DeepSeek-V3's chaining)."""
     import mlx.core as mx
 
     weights = mx.load(str(out / "model.safetensors"))
@@ -68,10 +76,14 @@ def add_mtp_layer(out: Path, seed: int = 3, damp: float = 0.1, noise: float = 0.
     rng = np.random.default_rng(seed + 1)
     p = f"model.layers.{n}."
     for name in list(weights):
-        if ("o_proj" in name or "down_proj" in name) and name.endswith("weight"):
+        if ("o_proj" in name or "down_proj" in name) and name.endswith("weight") \
+                and mx.issubdtype(weights[name].dtype, mx.floating):
             weights[name] = weights[name] * damp
+    if copies:
+        weights[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        weights[p + "shared_head.head.weight"] = weights["lm_head.weight"]
     for norm in ("enorm", "hnorm", "shared_head.norm"):
-        weights[p + norm + ".weight"] = mx.array((1 + 0.05 * rng.standard_normal(hidden)).astype(np.float32))
+        weights[p + norm + ".weight"] = mx.array((1 + spread * rng.standard_normal(hidden)).astype(np.float32))
     eh = np.concatenate([np.eye(hidden), mix * rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)], axis=1)
     weights[p + "eh_proj.weight"] = mx.array((eh + noise * rng.standard_normal(eh.shape)).astype(np.float32))
     mx.save_safetensors(str(out / "model.safetensors"), weights)

@@ -110,7 +110,7 @@ def engine_config(model_dir, **kwargs):
     (dict(kv_cache_dtype="int8_per_token_head"), r"--kv-cache-dtype int8_per_token_head asks for quantized KV caches "
                                                  r"other than fp8"),
     (dict(speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
-     r"--speculative-config method 'ngram_gpu' asks for speculative decoding other than host n-gram, .*vllm-metal does not serve.*"
+     r"--speculative-config method 'ngram_gpu' asks for speculative proposers other than host n-gram, .*vllm-metal does not serve.*"
      r"Instead: n-gram speculation"),
     # Accepted by vLLM, and silently ignored by the MLX runner until refused:
     (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),

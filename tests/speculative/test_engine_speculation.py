@@ -314,7 +314,7 @@ def test_seeded_random_sampling_keeps_the_target_distribution(runs, method):
     ({"method": "draft_model", "model": "{other_vocab}", "num_speculative_tokens": 2},
      r"Target and draft model should have the same vocabulary size"),  # vLLM's own check, at start
     ({"method": "eagle", "model": "{model}", "num_speculative_tokens": 2},
-     r"method 'eagle' asks for speculative decoding other than host n-gram, a draft model or a GLM-4.x MTP"),
+     r"method 'eagle' asks for speculative proposers other than host n-gram, a draft model, a checkpoint's MTP"),
 ])
 def test_what_is_not_served_is_refused_at_start(model_dir, mlx_model_dir, tmp_path, spec, message):
     from vllm.engine.arg_utils import EngineArgs

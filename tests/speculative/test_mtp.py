@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
+from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
 from mtp_model import Reference, build_glm_mtp
 from test_engine_speculation import K, top_k_distribution
 from test_rejection import chi_square_p
@@ -73,20 +74,6 @@ def generate(llm, prompts, params):
              for c in o.outputs] for o in outs]
 
 
-def record(runner, into: list) -> None:
-    """Every MTP proposal with drafts as (the request's tokens, its drafts)."""
-    drafter = runner.speculator.model
-    propose = drafter.propose
-
-    def recording(rows, req_ids, positions, newest, want, inputs_for):
-        out = propose(rows, req_ids, positions, newest, want, inputs_for)
-        states = runner.batch.states()
-        into.extend((states[r].prompt_token_ids + states[r].output_token_ids, d) for r, d in zip(rows, out) if d)
-        return out
-
-    drafter.propose = recording
-
-
 @pytest.fixture(scope="module")
 def runs(models):
     out = {}
@@ -109,8 +96,7 @@ def runs(models):
             assert s.budget is None and not runner.async_scheduling
             out["spec"] = generate(llm, prompts, params)
             out["counts"] = s.drafted, s.accepted, s.verified_rows
-            out["metrics"] = {m.name: m.value for m in llm.get_metrics()
-                              if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+            out["metrics"] = metrics(llm)
             out["spec", "options"] = generate(llm, [PROMPTS[0]] * 6, options())
             before = s.verified_rows, s.accepted, s.drafted
             samples = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])] * N,
@@ -136,10 +122,7 @@ def test_greedy_with_mtp_is_the_plain_output(runs):
 
 
 def test_counts_are_vllms_spec_decode_metrics(runs):
-    drafted, accepted, rows = runs["counts"]
-    assert runs["metrics"]["vllm:spec_decode_num_draft_tokens"] == drafted
-    assert runs["metrics"]["vllm:spec_decode_num_accepted_tokens"] == accepted
-    assert runs["metrics"]["vllm:spec_decode_num_drafts"] == rows
+    assert_counts_are_vllms_metrics(runs["counts"], runs["metrics"])
 
 
 def test_options_give_their_plain_outputs(runs):
@@ -213,9 +196,9 @@ def test_what_mtp_cannot_serve_is_refused(model_dir, models, tmp_path):
 
     cfg = SimpleNamespace(
         speculative_config=SimpleNamespace(method="mtp", num_speculative_tokens=2, rejection_sample_method="standard"),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v3", num_nextn_predict_layers=1)),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="mimo", num_nextn_predict_layers=1)),
         cache_config=SimpleNamespace(cache_dtype="auto"))
-    assert "this is a deepseek_v3 model with 1: use method 'ngram' or 'draft_model'" in serving_config.refusal(cfg)
+    assert "this is a mimo model with 1: use method 'ngram' or 'draft_model'" in serving_config.refusal(cfg)
     cfg.model_config.hf_config.model_type = "glm4_moe"
     cfg.model_config.hf_config.num_nextn_predict_layers = 2
     assert "with 2 multi-token-prediction layers is not served" in serving_config.refusal(cfg)

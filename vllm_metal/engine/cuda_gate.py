@@ -154,12 +154,13 @@ CUDA_PATHS: tuple[CudaPath, ...] = (
              "error", _kv_cache_dtype),
     CudaPath("cascade_attention", "cascade attention", "a FlashAttention-specific shared-prefix kernel",
              "shared prefixes are reused through prefix caching", "warn"),  # no switch for it in vLLM 0.33
-    CudaPath("speculative_decoding", "speculative decoding other than host n-gram, a draft model or a GLM-4.x "
-             "MTP layer (EAGLE, Medusa, other families' MTP, GPU n-gram, ...)",
+    CudaPath("speculative_decoding", "speculative proposers other than host n-gram, a draft model, a "
+             "checkpoint's MTP layers or Gemma 4 assistant, or an EAGLE-3 head (EAGLE-1, Medusa, GPU n-gram, ...)",
              "their proposers run in vLLM's CUDA runner",
              "n-gram speculation (`{\"method\": \"ngram\", ...}`), a draft model of the target's vocabulary "
-             "(`{\"method\": \"draft_model\", \"model\": ...}`) or a GLM-4.x checkpoint's MTP layer "
-             "(`{\"method\": \"mtp\", ...}`): drafts verified in the step's graph; or plain decoding", "error",
+             "(`{\"method\": \"draft_model\", \"model\": ...}`), the checkpoint's MTP layer "
+             "(`{\"method\": \"mtp\", ...}`) or an EAGLE-3 head (`{\"method\": \"eagle3\", \"model\": ...}`): "
+             "drafts verified in the step's graph; or plain decoding", "error",
              _speculative, kind="unserved"),
     CudaPath("flashinfer_sampler", "FlashInfer top-k/top-p sampler", "a CUDA kernel",
              "vLLM's torch sampler on CPU tensors", "warn", None, ("VLLM_USE_FLASHINFER_SAMPLER",)),

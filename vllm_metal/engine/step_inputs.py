@@ -21,6 +21,7 @@ class ScheduledRow:
     token_ids: Sequence[int]  # the tokens scheduled now (positions num_computed ...)
     num_computed: int  # tokens already in the KV cache
     block_ids: Sequence[Sequence[int]] = ()  # per KV-cache group; unused when tables are given
+    num_drafts: int = 0  # of token_ids, the drafts at its end (speculative decoding; placeholders too)
 
 
 @dataclass
@@ -46,6 +47,9 @@ class StepInputs:
     # The input ids as a lazy MLX array when some are read from the previous
     # step's in-graph tokens (engine/step_rows.py); None: token_ids.
     token_ids_mx: object = None
+    # Drafts at the end of each row, int64 [num_seqs] (speculative decoding:
+    # hybrid models keep a verify row's states per position); None: no row has any.
+    num_drafts: np.ndarray | None = None
 
     @property
     def last_token_indices(self) -> np.ndarray:
@@ -107,8 +111,10 @@ def build_step_inputs(rows: Sequence[ScheduledRow], block_sizes: Sequence[int],
             table[np.arange(table.shape[1])[None, :] < first_live[:, None]] = 0
         block_tables.append(table)
         slot_mappings.append(blocks * block_size + positions % block_size)
+    drafts = np.array([r.num_drafts for r in rows], np.int64)
     return StepInputs(token_ids=token_ids, positions=positions, seq_lens=seq_lens, cu_seqlens_q=cu,
-                      block_tables=block_tables, slot_mappings=slot_mappings)
+                      block_tables=block_tables, slot_mappings=slot_mappings,
+                      num_drafts=drafts if drafts.any() else None)
 
 
 def token_rows(tables: Sequence[tuple[np.ndarray, np.ndarray]], block_sizes: Sequence[int],

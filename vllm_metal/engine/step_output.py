@@ -19,6 +19,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm_metal.engine import prompt_logprobs, step_inputs
 from vllm_metal.engine.persistent_batch import RequestState
 from vllm_metal.engine.sampling import sample
+from vllm_metal.models import draft_states
 from vllm_metal.speculative.speculator import VerifyRow
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
     spec = runner.speculator
     if step.verify:  # accepted drafts + one token (speculative/rejection.py)
         sampled = spec.accept(step.verify, states, sampled, target_argmax, target_logits)
+    if runner.kv.drafts is not None:  # a hybrid's verify rows: their accepted states kept (models/draft_states.py)
+        draft_states.select(runner.kv, np.array([max(len(sampled[r]) - 1, 0) for r in runner.kv.drafts.rows]),
+                            runner.block_sizes)
     tokens: list[list[int]] = []
     for state, row, dropped in zip(states, sampled, step.discard):
         if dropped:

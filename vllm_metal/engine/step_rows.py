@@ -62,7 +62,8 @@ def plan(states: list[RequestState], num_scheduled: dict[str, int], failed_loads
                                    f" with {known} tokens known")
             # Drafts of -1 are placeholders (vLLM pads a new decode row to 1 + k
             # tokens; an invalid draft): run as token 0, never accepted.
-            out.rows.append(ScheduledRow(state.tokens(start, known) + [max(d, 0) for d in drafts], start))
+            out.rows.append(ScheduledRow(state.tokens(start, known) + [max(d, 0) for d in drafts], start,
+                                         num_drafts=k))
             padding = all(d < 0 for d in drafts)
             if padding:  # a plain row whose tail is ignored: its token from the real next position
                 out.padded_rows += 1

@@ -17,7 +17,9 @@ model dtype, and the recurrent matrix state [num_blocks, Hv, Dv, Dk] in
 float32 (mlx-lm's shapes), gathered, run and written back as
 models/state_slots.py describes: every row's scheduled tokens -- decode,
 prefill and chunked prefill alike -- as one right-padded batch with a mask,
-inside the step's one lazy graph.
+inside the step's one lazy graph. Rows verifying drafts (speculative
+decoding) also keep their states after each position, the recurrence run
+one position at a time over those rows (models/draft_states.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ class GatedDeltaLayer(nn.Module):
         a = self.inner
         return ops.gated_delta(q, k, v, compute_g(a.A_log, gate_a, a.dt_bias), mx.sigmoid(b), state, mask)
 
+    def run(self, q, k, v, gate_a, b, state, mask):
+        """The recurrence on this layer's path (fused primitive or mlx-lm's)."""
+        from mlx_lm.models.gated_delta import gated_delta_update
+
+        if self.fused:
+            return self.recurrence(q, k, v, gate_a, b, state, mask)
+        a = self.inner
+        return gated_delta_update(q, k, v, gate_a, b, a.A_log, a.dt_bias, state, mask, use_kernel=not a.training)
+
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per request: the convolution state, the recurrent state."""
@@ -84,10 +95,10 @@ class GatedDeltaLayer(nn.Module):
         return mx.concatenate([t.reshape(1, n, -1) for t in (q, k, v)], axis=-1), z, b, gate_a
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+        from mlx_lm.models.gated_delta import normalize_qk
 
         a = self.inner
-        step = SlotStep(cache)
+        step = SlotStep(cache, keeps_drafts=True)
         mixed, z, b, gate_a = self.projections(x)
         conv_out = nn.silu(step.causal_conv(a.conv1d, step.pad(mixed)))
         num_seqs, width = conv_out.shape[:2]
@@ -96,11 +107,15 @@ class GatedDeltaLayer(nn.Module):
         kc = kc.reshape(num_seqs, width, self.num_k_heads, self.head_k_dim)
         vc = vc.reshape(num_seqs, width, self.num_v_heads, self.head_v_dim)
         qc, kc = normalize_qk(qc, kc, inv_scale=self.head_k_dim ** -0.5, eps=1e-6)
-        if self.fused:
-            out, state = self.recurrence(qc, kc, vc, step.pad(gate_a), step.pad(b), step.gather(1), step.rows.mask)
-        else:
-            out, state = gated_delta_update(qc, kc, vc, step.pad(gate_a), step.pad(b), a.A_log, a.dt_bias,
-                                            step.gather(1), step.rows.mask, use_kernel=not a.training)
+        gate_a, b, state = step.pad(gate_a), step.pad(b), step.gather(1)
+        drafts = step.rows.drafts
+        if drafts is not None:  # verify rows: the state after each position, one position at a time
+            i, candidates, s = drafts.index, [], state[drafts.index]
+            for j in range(drafts.width):
+                s = self.run(*(t[i, j:j + 1] for t in (qc, kc, vc, gate_a, b)), s, None)[1]
+                candidates.append(s)
+            step.keep_candidates(mx.stack(candidates, axis=1))
+        out, state = self.run(qc, kc, vc, gate_a, b, state, step.rows.mask)
         step.write(1, state)
         out = a.norm(step.unpad(out), z)
         return step.done(a.out_proj(out.reshape(1, x.shape[1], -1)))

@@ -75,6 +75,9 @@ class PagedKVCache:
     dtype: mx.Dtype = mx.float32
     # Each layer's slot (an index into keys.slots / values.slots); None: one each.
     layer_slot: list[int] | None = None
+    # The last step's verify rows and their candidate linear-attention states
+    # (models/draft_states.py), until sampling selects the accepted ones.
+    drafts: object = field(default=None, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.keys, LayerArrays):
@@ -86,6 +89,8 @@ class PagedKVCache:
     def __setattr__(self, name, value):
         if name == "step":  # a new step (or none): no slot written in it yet
             self.__dict__["_written"] = set()
+            if value is not None:  # nor candidate states kept (a step that was never sampled leaves none behind)
+                self.__dict__["drafts"] = None
         super().__setattr__(name, value)
 
     def alias_write(self, layer: int) -> bool:
@@ -121,7 +126,8 @@ class PagedKVCache:
     def arrays(self) -> list[mx.array]:
         """Every cache array, each shared one once (layers sharing another's
         cache, and MLA's absent V, hold None)."""
-        return [a for a in self.keys.slots + self.values.slots if a is not None]
+        out = [a for a in self.keys.slots + self.values.slots if a is not None]
+        return out + self.drafts.arrays() if self.drafts is not None else out
 
     def layer_views(self) -> list:
         from vllm_metal.models.attention_adapter import LayerCacheView

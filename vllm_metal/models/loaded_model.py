@@ -69,6 +69,9 @@ class LoadedModel:
     # Its bfloat16 screen on MLX's CPU device (ops.argmax_head_screen; None
     # where not built or not used), built with it.
     _head_screen: object = None
+    # EAGLE-3 (speculative/eagle3.py): the layers whose incoming residual stream a step's
+    # `hidden_out` gets instead of the final hidden states (id n: the last layer's output).
+    aux_layers: tuple[int, ...] = ()
 
     def owns(self, layer: int) -> bool:
         return self.owned is None or layer in self.owned
@@ -171,17 +174,20 @@ class LoadedModel:
         logits). A pipeline stage before the last returns None: its output
         leaves through the transport (evaluate `transport.take_pending()`).
         hidden_out: gets the final hidden states of every token appended (an
-        MTP layer reads them: speculative/mtp.py)."""
+        MTP layer reads them: speculative/mtp.py), or with `aux_layers` the
+        residual streams before those layers, concatenated [tokens, n x hidden]
+        (vLLM's EagleModelMixin order: an EAGLE-3 head reads them)."""
         kv.retained = []
         kv.step = self._step_inputs(inputs)
         try:
             ids = getattr(inputs, "token_ids_mx", None)
+            aux = {} if hidden_out is not None and self.aux_layers else None
             hidden = self.hidden_states(mx.array(inputs.token_ids) if ids is None else ids, kv.layer_views(),
-                                        getattr(inputs, "input_embeddings", None))
+                                        getattr(inputs, "input_embeddings", None), aux)
             if not self.last_stage:
                 return None
             if hidden_out is not None:
-                hidden_out.append(hidden)
+                hidden_out.append(hidden if aux is None else mx.concatenate([aux[i] for i in self.aux_layers], -1))
             rows = hidden[mx.array(np.asarray(logit_rows, dtype=np.int32))]
             return self.greedy_tokens(rows, fused_head) if greedy else self.logits(rows)
         finally:
@@ -263,7 +269,8 @@ class LoadedModel:
             cu_seqlens_q=mx.array(inputs.cu_seqlens_q),
             block_tables=[mx.array(t) for t in inputs.block_tables],
             slot_mappings=[ops.SlotMapping(m) for m in inputs.slot_mappings],
-            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None))
+            linear=build_linear_inputs(inputs.cu_seqlens_q, inputs.positions, getattr(inputs, "state_slots", None),
+                                       getattr(inputs, "num_drafts", None), inputs.block_tables)
             if self.has_linear else None,
             mrope_positions=None if getattr(inputs, "mrope_positions", None) is None
             else mx.array(inputs.mrope_positions),
@@ -274,14 +281,23 @@ class LoadedModel:
         the decoder applies to its input embeddings)."""
         return decoder_owner(self.model)["model"].embed_tokens(token_ids)
 
-    def hidden_states(self, token_ids: mx.array, cache_views, input_embeddings: mx.array | None = None) -> mx.array:
+    def hidden_states(self, token_ids: mx.array, cache_views, input_embeddings: mx.array | None = None,
+                      aux: dict | None = None) -> mx.array:
         """[num_tokens] -> [num_tokens, hidden] through every layer (lazy);
         input_embeddings [num_tokens, hidden] (images scattered in) replace the
-        token embeddings."""
+        token embeddings. aux: gets {i: the residual stream entering layer i}
+        for i in aux_layers (the decoder's layers tapped for this call)."""
         decoder = decoder_owner(self.model)["model"]
-        if input_embeddings is None:
-            return decoder(token_ids[None], cache=cache_views)[0]
-        return decoder(token_ids[None], cache=cache_views, input_embeddings=input_embeddings[None])[0]
+        layers = list(decoder.layers) if aux is not None else None
+        if aux is not None:
+            decoder.layers[:] = [_Tap(layer, i, aux, self.aux_layers) for i, layer in enumerate(layers)]
+        try:
+            if input_embeddings is None:
+                return decoder(token_ids[None], cache=cache_views)[0]
+            return decoder(token_ids[None], cache=cache_views, input_embeddings=input_embeddings[None])[0]
+        finally:
+            if layers is not None:
+                decoder.layers[:] = layers
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final hidden rows -> float32 logits [rows, vocab] (lazy), through
@@ -309,6 +325,26 @@ def decoder_owner(model: nn.Module) -> nn.Module:
             return owner
     raise NotImplementedError(f"{type(model).__module__}.{type(model).__name__}: no decoder child `model` "
                               "(on the model or its language_model) for the output head to run after")
+
+
+class _Tap:
+    """A decoder layer for one call that also records the residual stream
+    entering it (and, for the last, leaving it) where `wanted` names it
+    (every other attribute is the layer's: the decoder may read them)."""
+
+    def __init__(self, layer, i: int, into: dict, wanted: tuple[int, ...]):
+        self.layer, self.i, self.into, self.wanted = layer, i, into, wanted
+
+    def __call__(self, x, *args, **kwargs):
+        if self.i in self.wanted:
+            self.into[self.i] = x[0]
+        out = self.layer(x, *args, **kwargs)
+        if self.i + 1 in self.wanted:
+            self.into[self.i + 1] = out[0]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
 
 
 class _HiddenRows:

@@ -70,7 +70,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", dequantize: bool =
     checkpoint = open_checkpoint(model_dir, config_path)
     head_weights: dict = {}
     check_served(checkpoint.model_type)  # before building anything: one message naming the family
-    classes = _pooling_classes(head_weights) if pooling else {}
+    classes = _without_mtp_layers(checkpoint.config, _pooling_classes(head_weights) if pooling else {})
     # A converted format's weights are read first: a bad file is refused by its own message.
     converted = None if checkpoint.native else checkpoint.load_weights()
     try:
@@ -239,6 +239,49 @@ def _pooling_classes(head_weights: dict) -> dict:
         return PoolingModel, args_class
 
     return {"get_model_classes": classes}
+
+
+def mtp_layer_count(config: dict) -> int:
+    """The checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`:
+    DeepSeek-V3, Kimi K2, GLM-4.5 / 4.7-Flash), stored as the decoder layers
+    after its last (`model.layers.{num_hidden_layers + i}`)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return int(text.get("num_nextn_predict_layers") or config.get("num_nextn_predict_layers") or 0)
+
+
+def _without_mtp_layers(config: dict, classes: dict) -> dict:
+    """mlx-lm's model classes (`classes`' get_model_classes, else its own)
+    with a sanitize that first drops the tensors of the MTP layers
+    (mtp_layer_count) -- the plain model has no place for them, and mlx-lm's
+    deepseek_v3 drops only DeepSeek-V3's own index 61 (glm4_moe and
+    glm4_moe_lite drop theirs). speculative/mtp.py reads them itself.
+    `classes` unchanged for a checkpoint without MTP layers: extra layers
+    there are still refused by the strict load."""
+    import re
+
+    from mlx_lm.utils import _get_classes
+
+    if not mtp_layer_count(config):
+        return classes
+    base = classes.get("get_model_classes", _get_classes)
+    layer = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")  # (a vision tower's layers are not the decoder's)
+
+    def get_model_classes(config):
+        model_class, args_class = base(config)
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        n = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+
+        class WithoutMtpLayers(model_class):
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items()
+                           if n is None or not ((m := layer.search(k)) and int(m.group(1)) >= n)}
+                return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+
+        WithoutMtpLayers.__name__ = WithoutMtpLayers.__qualname__ = model_class.__name__
+        WithoutMtpLayers.__module__ = model_class.__module__
+        return WithoutMtpLayers, args_class
+
+    return {**classes, "get_model_classes": get_model_classes}
 
 
 def _split_stages(model: nn.Module, config: dict, layers: list, layer_kv: list[LayerKV],

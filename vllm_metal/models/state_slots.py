@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from vllm_metal import envs
+from vllm_metal.models.draft_states import DraftRows
 
 
 def state_writeback_mode() -> str:
@@ -68,10 +69,15 @@ class LinearStepInputs:
     # block to block (engine/state_align.py); a group not listed keeps one
     # slot per request: its block table's first entry, read and written.
     state_slots: dict[int, tuple[mx.array, mx.array]] | None = None
+    # Rows verifying drafts (speculative decoding): the states after each of
+    # their positions are kept as candidates (models/draft_states.py); None: no such row.
+    drafts: DraftRows | None = None
 
 
 def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray,
-                        state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> LinearStepInputs:
+                        state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+                        num_drafts: np.ndarray | None = None,
+                        block_tables: list[np.ndarray] | None = None) -> LinearStepInputs:
     cu = np.asarray(cu_seqlens_q, np.int64)
     counts = np.diff(cu)
     width = int(counts.max())
@@ -81,23 +87,30 @@ def build_linear_inputs(cu_seqlens_q: np.ndarray, positions: np.ndarray,
     row_of_token = np.repeat(np.arange(len(counts)), counts)
     unpad = row_of_token * width + np.arange(cu[-1]) - cu[row_of_token]
     carried = np.asarray(positions)[cu[:-1]] > 0
+    drafts = None
+    if num_drafts is not None and np.any(num_drafts):
+        drafts = DraftRows.build(np.flatnonzero(num_drafts), counts, np.asarray(positions)[cu[:-1]],
+                                 state_slots, block_tables)
     return LinearStepInputs(pad_index=mx.array(pad_index.astype(np.int32)),
                             mask=None if mask.all() else mx.array(mask),
                             lengths=mx.array(counts.astype(np.int32)),
                             carried=None if carried.all() else mx.array(carried),
                             unpad_index=mx.array(unpad.astype(np.int32)),
                             state_slots={g: (mx.array(src), mx.array(dst)) for g, (src, dst) in state_slots.items()}
-                            if state_slots else None)
+                            if state_slots else None, drafts=drafts)
 
 
 class SlotStep:
     """Built by a linear layer from its `cache` (a LayerCacheView) at each call."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, keeps_drafts: bool = False):
         store = cache.store
         self.store, self.layer = store, cache.layer
         self.rows = store.step.linear  # LinearStepInputs
-        group = store.layer_group[cache.layer]
+        if self.rows.drafts is not None and not keeps_drafts:  # the serving config refuses it first
+            raise NotImplementedError("speculative decoding over this linear-attention layer: its states per "
+                                      "draft position are not kept")
+        group = self.group = store.layer_group[cache.layer]
         moved = self.rows.state_slots.get(group) if self.rows.state_slots else None
         if moved is None:  # one slot per request (no prefix caching)
             self.src_slots = self.dst_slots = store.step.block_tables[group][:, 0]
@@ -136,7 +149,20 @@ class SlotStep:
         conv_input = mx.concatenate([state, x], axis=1)
         keep = (self.rows.lengths[:, None] + mx.arange(state.shape[1]))[..., None]
         self.write(0, mx.take_along_axis(conv_input, keep, axis=1))
+        self.conv_input = conv_input  # (a verify row's candidate convolution states are windows of it)
         return conv(conv_input)
+
+    def keep_candidates(self, recurrent: mx.array) -> None:
+        """The verify rows' states after each of their positions (models/
+        draft_states.py): the convolution's from its input, the recurrent
+        ones given [V, width, ...]."""
+        drafts = self.rows.drafts
+        kernel = self.pool(0).shape[1] + 1
+        window = (mx.arange(drafts.width)[:, None] + 1 + mx.arange(kernel - 1)[None]).reshape(-1)
+        conv = self.conv_input[drafts.index][:, window]
+        drafts.candidates[self.layer] = (self.group, conv.reshape(conv.shape[0], drafts.width, kernel - 1, -1),
+                                         recurrent)
+        self.store.drafts = drafts
 
     def write(self, index: int, new: mx.array) -> None:
         """Pool `index` with the rows' (destination) slots replaced by `new`."""

@@ -1,17 +1,26 @@
-"""Multi-token prediction (vLLM's method "mtp"): the checkpoint's own
-next-token layer -- GLM-4.5 / 4.6 / 4.7's `num_nextn_predict_layers` -- as
-the drafter. mlx-lm drops these weights at load (its sanitize); they are
-read here and run on mlx-lm's own decoder block of the family.
+"""Multi-token prediction (vLLM's method "mtp", and its aliases
+"deepseek_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp"): the checkpoint's own
+next-token layer (`num_nextn_predict_layers`, stored as the decoder layer
+after the last: GLM-4.5 / 4.6 / 4.7, GLM-4.7-Flash, DeepSeek-V3 / R1) as
+the drafter. The plain model drops these weights at load
+(models/loader.py); they are read here and run on mlx-lm's own decoder
+block of the family -- a latent-attention (MLA) block for DeepSeek-V3 and
+GLM-4.7-Flash, whose own paged cache is then latent like the target's
+(models/mla.py declares it: engine/kv_specs.py).
 
-The layer (vLLM's Glm4MoeMultiTokenPredictorLayer, same weights, same
-arithmetic): for the pair (token t_{i+1}, the target's final hidden state
-h_i) at position i, x = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) (the
-embedding zeroed at position 0, as vLLM does), then one decoder block with
-its own paged KV cache (`layer_name`: vLLM sizes and groups it with the
-target's, one block table addresses both), giving m_i; its draft is
-argmax(head(shared_head.norm(m_i))) for position i + 2. Pass j > 1 feeds
-the draft and m of the pass before at the next position (vLLM chains the
-one layer the same way for k > 1).
+The layer (vLLM's Glm4MoeMultiTokenPredictorLayer, Glm4MoeLite's and
+DeepSeekMultiTokenPredictorLayer: same weights, same arithmetic): for the
+pair (token t_{i+1}, the target's final hidden state h_i) at position i,
+x = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) (the embedding zeroed at
+position 0, as vLLM does), then one decoder block with its own paged KV
+cache (`layer_name`: vLLM sizes and groups it with the target's, one block
+table addresses both), giving m_i; its draft is
+argmax(head(shared_head.norm(m_i))) for position i + 2, head the target's
+LM head (vLLM 0.33 shares it, and the embedding, with every MTP layer).
+Pass j > 1 feeds the draft and the pass before's hidden row at the next
+position (vLLM chains the one layer the same way for k > 1): m itself for
+GLM, shared_head.norm(m) for DeepSeek (DeepSeekMTPModel returns both; its
+proposer feeds the normed one back: `MtpFamily.feeds_normed`).
 
 Where it runs: every pair whose next token the host knows before the step
 (prompt tokens, scheduled drafts) is written in the target's step graph
@@ -31,8 +40,9 @@ shares the same cache the same way.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,10 +52,31 @@ from vllm_metal.models.attention_adapter import PagedKVCache
 from vllm_metal.models.loaded_model import LoadedModel, decoder_owner
 from vllm_metal.speculative.draft_model import InputsFor
 
-# Families whose MTP layer is a decoder block of the family itself: model_type -> the
-# one-layer config of that block (block index i of a model of n layers).
+
+@dataclass(frozen=True)
+class MtpFamily:
+    block: Callable[[dict, int], dict]  # the one-layer config of the family's block at index i (dense or MoE)
+    feeds_normed: bool = False  # pass j > 1 reads shared_head.norm(m) (vLLM's DeepSeekMTPModel), else m
+
+
+def _moe_at(config: dict, i: int) -> bool:
+    """DeepSeek's rule (vLLM's DeepseekV2DecoderLayer, mlx-lm's): layer i is MoE."""
+    return (config.get("n_routed_experts") is not None and i >= config.get("first_k_dense_replace", 0)
+            and i % config.get("moe_layer_freq", 1) == 0)
+
+
+def _deepseek_block(config: dict, i: int) -> dict:
+    return {"first_k_dense_replace": 0 if _moe_at(config, i) else 1, "moe_layer_freq": 1}
+
+
+# Families whose MTP layer is a decoder block of the family itself, as vLLM 0.33 maps them to its MTP
+# models (Glm4MoeMTP, Glm4MoeLiteMTP, DeepSeekMTP). Not kimi_k2 (DeepSeek-V3's architecture): vLLM
+# refuses method "mtp" on it (only model_type deepseek_v3 maps to DeepSeekMTP).
 MTP_FAMILIES = {
-    "glm4_moe": lambda config, i: {"first_k_dense_replace": 0 if i >= config["first_k_dense_replace"] else 1},
+    "glm4_moe": MtpFamily(lambda config, i: {"first_k_dense_replace": 0 if i >= config["first_k_dense_replace"]
+                                             else 1}),
+    "glm4_moe_lite": MtpFamily(_deepseek_block),
+    "deepseek_v3": MtpFamily(_deepseek_block, feeds_normed=True),
 }
 EXTRAS = ("enorm", "hnorm", "eh_proj", "shared_head")  # the layer's own modules beside its decoder block
 
@@ -57,10 +88,6 @@ class _Given:
 
     def __call__(self, ids: mx.array) -> mx.array:
         return self.rows
-
-
-def mtp_layer_count(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers") or 0)
 
 
 def _checkpoint_tensors(directory: Path, prefix: str) -> dict[str, mx.array]:
@@ -78,8 +105,9 @@ def _checkpoint_tensors(directory: Path, prefix: str) -> dict[str, mx.array]:
 
 class MtpDrafter:
     def __init__(self, block: LoadedModel, embed: nn.Module, extras: dict[str, nn.Module], k: int,
-                 max_model_len: int):
+                 max_model_len: int, feeds_normed: bool = False):
         self.model, self.embed, self.k, self.max_model_len = block, embed, k, max_model_len
+        self.feeds_normed = feeds_normed  # MtpFamily.feeds_normed
         self.enorm, self.hnorm, self.eh_proj, self.shared_norm = (extras[n] for n in
                                                                   ("enorm", "hnorm", "eh_proj", "shared_norm"))
         self.given = decoder_owner(block.model)["model"].embed_tokens
@@ -121,8 +149,10 @@ class MtpDrafter:
         finally:
             self.given.rows = None
 
-    def drafts(self, m: mx.array) -> mx.array:
-        return self.model.greedy_tokens(self.shared_norm(m.astype(self.model.dtype)))
+    def drafts(self, m: mx.array) -> tuple[mx.array, mx.array]:
+        """A pass's output rows m -> (their greedy drafts, the rows the next pass reads)."""
+        normed = self.shared_norm(m.astype(self.model.dtype))
+        return self.model.greedy_tokens(normed), normed if self.feeds_normed else m
 
     def write_step(self, rows, states, spec: dict[str, list[int]], hidden: mx.array,
                    inputs_for: InputsFor) -> list[mx.array]:
@@ -202,7 +232,7 @@ class MtpDrafter:
                     tokens, m, active = tokens[pick], m[pick], active[keep]
                 inputs = inputs_for(rows[active], [[0]] * len(active), positions[active] + j - 1)
                 m = self.run(inputs, tokens, m)
-            tokens = self.drafts(m)
+            tokens, m = self.drafts(m)
             passes.append((active, tokens))
         mx.eval([t for _, t in passes], self.kv.arrays())  # the passes' one evaluation
         self.passes += len(passes)
@@ -215,12 +245,13 @@ class MtpDrafter:
 
 def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequantize: bool, fuse: bool,
              norm_rope: bool) -> MtpDrafter:
-    """The target checkpoint's MTP layer (its first: vLLM chains it for every draft)."""
+    """The target checkpoint's MTP layer (its first: vLLM chains it for every draft). Its embedding and
+    head are the target's; the layer's own copies (DeepSeek-V3's embed_tokens, shared_head.head) are not read."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     from vllm_metal.formats.checkpoint import open_checkpoint
-    from vllm_metal.models.loader import DTYPES, prepare_model
+    from vllm_metal.models.loader import DTYPES, mtp_layer_count, prepare_model
 
     checkpoint = open_checkpoint(model_dir)
     config = checkpoint.config
@@ -233,7 +264,7 @@ def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequa
                          f"{sorted(MTP_FAMILIES)} unquantized safetensors checkpoints)")
     prefix = f"model.layers.{n}."
     tensors = _checkpoint_tensors(Path(checkpoint.source), prefix)
-    one = {**config, "num_hidden_layers": 1, **MTP_FAMILIES[family](config, n)}
+    one = {**config, "num_hidden_layers": 1, **MTP_FAMILIES[family].block(config, n)}
     model_class, args_class = _get_classes(one)
     model = model_class(args_class.from_dict(one))
     block = {f"model.layers.0.{k[len(prefix):]}": v for k, v in tensors.items()
@@ -254,11 +285,9 @@ def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequa
             raise ValueError(f"{model_dir}: the MTP layer {n} lacks {key}")
         module.weight = tensors[key]
         module.set_dtype(DTYPES[dtype])
-    head = tensors.get(prefix + "shared_head.head.weight")
-    shared = head is None  # then the target's head (vLLM loads lm_head.weight into shared_head.head)
-    if head is not None:
-        model.lm_head.weight = head
-    elif "lm_head" in owner:
+    # The target's head, as vLLM 0.33's proposer shares it with every MTP layer (its shared_head.head
+    # replaced: a checkpoint's copy, DeepSeek-V3's layers.61.shared_head.head, is not read).
+    if "lm_head" in owner:
         model.lm_head = owner["lm_head"]
     else:  # a tied head: the embedding's matrix
         model.lm_head.weight = owner["model"].embed_tokens.weight
@@ -267,7 +296,6 @@ def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequa
     block_model = prepare_model(model, one, dtype, dequantize, True, fuse, norm_rope)
     mx.eval([m.parameters() for m in extras.values()])
     block_model.weights_bytes += sum(v.nbytes for m in extras.values() for _, v in tree_flatten(m.parameters()))
-    if shared:  # counted with the target's weights
-        block_model.weights_bytes -= sum(v.nbytes for _, v in tree_flatten(model.lm_head.parameters()))
+    block_model.weights_bytes -= sum(v.nbytes for _, v in tree_flatten(model.lm_head.parameters()))  # the target's
     return MtpDrafter(block_model, owner["model"].embed_tokens, extras, spec_config.num_speculative_tokens,
-                      spec_config.target_model_config.max_model_len)
+                      spec_config.target_model_config.max_model_len, MTP_FAMILIES[family].feeds_normed)

@@ -4,27 +4,40 @@ engine processes before anything loads (no MLX import: the platform runs it).
 Served: method "ngram" (prompt lookup; vLLM's prompt_lookup_min/max),
 "draft_model" (a smaller model of the same vocabulary, any served family
 without linear-attention layers) and "mtp" (the checkpoint's own
-multi-token-prediction layer: MTP_FAMILIES), num_speculative_tokens up to
+multi-token-prediction layer: MTP_FAMILIES and the Gated DeltaNet hybrids
+HYBRID_FAMILIES; or Gemma 4's assistant, a gemma4_assistant checkpoint as
+the speculative model: gemma4_assistant_config.refusal says what of it is
+refused), "eagle3" (an EAGLE-3 head for an EAGLE3_TARGETS target:
+eagle3_config.problem says which heads), num_speculative_tokens up to
 vLLM's rejection-sampler limit of 128 (the scheduler's count for the next
 step, `num_spec_tokens_to_schedule`, caps a request's drafts). Refused with
-the alternative: the other model proposers (EAGLE, Medusa, MTP of other
+the alternative: the other model proposers (EAGLE-1, Medusa, MTP of other
 families, ...), a draft model of another vocabulary (or hybrid, image,
 sliding-window, or with an 8-bit KV cache), an 8-bit KV cache with MTP, LoRA
 adapters, rejection methods other than vLLM's standard one, speculation
 across tensor / pipeline parallel ranks, over linear-attention (recurrent)
-state, with images or with a KV connector. A draft model and MTP run with
-synchronous scheduling (vLLM's default for them is async): their passes
-need the step's accepted tokens on the host.
+state other than HYBRID_FAMILIES', with images or
+with a KV connector. A draft model, MTP and any speculation on a hybrid run
+with synchronous scheduling (vLLM's default for them is async): their passes
+need the step's accepted tokens on the host, and a hybrid's accepted counts
+select its states there.
 """
 
 from __future__ import annotations
 
+from vllm_metal.speculative.eagle3_config import TARGET_FAMILIES as EAGLE3_TARGETS, refusal as eagle3_refusal
+from vllm_metal.speculative.gemma4_assistant_config import is_assistant, refusal as assistant_refusal
+
 # vLLM's rejection sampler verifies at most this many drafts per request a step.
 MAX_DRAFTS = 128
 
-SERVED_METHODS = ("ngram", "draft_model", "mtp")
+SERVED_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 # Families whose checkpoints' multi-token-prediction layer vllm-metal runs (speculative/mtp.py).
-MTP_FAMILIES = ("glm4_moe",)
+# (kimi_k2 is DeepSeek-V3's architecture, but vLLM 0.33 maps only model_type deepseek_v3 to its MTP model.)
+MTP_FAMILIES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
+# Hybrids whose linear-attention states are kept per draft position (Gated DeltaNet layers:
+# models/draft_states.py): every method served, their own MTP layer by speculative/qwen_mtp.py.
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def refused_method(spec_config) -> str | None:
@@ -43,7 +56,8 @@ def refusal(vllm_config) -> str | None:
     if method is not None:
         alt = "method 'ngram': the same prompt lookup, on the host" if method == "ngram_gpu" else \
             "method 'ngram' (prompt lookup), 'draft_model' (a smaller model of the same vocabulary) or 'mtp' " \
-            f"(the checkpoint's own next-token layers: {', '.join(MTP_FAMILIES)})"
+            f"(the checkpoint's own next-token layers: {', '.join(MTP_FAMILIES)}), or 'eagle3' (an EAGLE-3 head " \
+            f"for a {' / '.join(EAGLE3_TARGETS)} target)"
         return (f"speculative decoding with method {method!r} is not served by vllm-metal yet (its proposer "
                 f"runs a model in vLLM's CUDA runner); use {alt}, or drop --speculative-config")
     k = spec.num_speculative_tokens
@@ -67,18 +81,28 @@ def refusal(vllm_config) -> str | None:
         if vllm_config.cache_config.cache_dtype not in (None, "auto"):
             return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with a draft model is not verified by "
                     "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
-    if spec.method == "mtp":
+    if spec.method == "eagle3":  # EAGLE-3 heads: speculative/eagle3_config.py
+        reason = eagle3_refusal(vllm_config)
+        if reason is not None:
+            return reason
+    if is_assistant(spec):  # Gemma 4's assistant: speculative/gemma4_assistant.py
+        reason = assistant_refusal(vllm_config)
+        if reason is not None:
+            return reason
+    elif spec.method == "mtp":
         hf = getattr(vllm_config.model_config, "hf_config", None)
         family = getattr(hf, "model_type", None)
-        layers = getattr(hf, "num_nextn_predict_layers", None) or 0
-        if family not in MTP_FAMILIES or layers < 1:
+        layers = getattr(hf, "num_nextn_predict_layers", None) or getattr(  # qwen3_5: in its text config
+            getattr(vllm_config.model_config, "hf_text_config", None), "mtp_num_hidden_layers", None) or 0
+        if family not in MTP_FAMILIES + HYBRID_FAMILIES or layers < 1:
             return (f"--speculative-config method 'mtp' needs a checkpoint with multi-token-prediction layers "
-                    f"that vllm-metal runs ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers >= 1); "
-                    f"this is a {family} model with {layers}: use method 'ngram' or 'draft_model'")
+                    f"that vllm-metal runs ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers >= 1, "
+                    f"{', '.join(HYBRID_FAMILIES)} with mtp.* layers); this is a {family} model with {layers}: use "
+                    "method 'ngram' or 'draft_model'")
         if layers > 1:  # vLLM cycles through them (spec_step_idx % n); vllm-metal chains the first only
             return (f"--speculative-config method 'mtp' with {layers} multi-token-prediction layers is not served by "
-                    "vllm-metal (it runs a checkpoint's one MTP layer, as GLM-4.5/4.6/4.7 ship); use 'ngram' or "
-                    "'draft_model'")
+                    "vllm-metal (it runs a checkpoint's one MTP layer, as GLM-4.x and DeepSeek-V3 ship); use "
+                    "'ngram' or 'draft_model'")
         if vllm_config.cache_config.cache_dtype not in (None, "auto"):
             return (f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} with MTP is not verified by "
                     "vllm-metal yet: drop --kv-cache-dtype, or use method 'ngram'")
@@ -91,9 +115,11 @@ def refusal(vllm_config) -> str | None:
                 f"{parallel.tensor_parallel_size} / pipeline parallel {parallel.pipeline_parallel_size} is "
                 "refused; serve on one Mac, or across ranks without speculation")
     model = vllm_config.model_config
-    if model is not None and model.is_hybrid:
-        return ("speculative decoding over linear-attention (recurrent) state needs a state checkpoint per "
-                "draft, which vllm-metal does not keep yet: serve this hybrid model without --speculative-config")
+    family = getattr(getattr(model, "hf_config", None), "model_type", None)
+    if model is not None and model.is_hybrid and family not in HYBRID_FAMILIES:
+        return (f"speculative decoding over linear-attention (recurrent) state is served by vllm-metal for "
+                f"{', '.join(HYBRID_FAMILIES)} only (their Gated DeltaNet states kept per draft position); this "
+                f"{family} model: serve it without --speculative-config")
     if model is not None and model.is_multimodal_model and not getattr(model.multimodal_config,
                                                                         "language_model_only", False):
         return ("vllm-metal does not verify drafts for image requests yet: drop --speculative-config, or serve "
@@ -109,12 +135,16 @@ def check_speculative_config(vllm_config, logger=None) -> None:
     if reason is not None:
         raise ValueError(reason)
     spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
-    if spec is not None and spec.method in ("draft_model", "mtp") and sched.async_scheduling:
+    hybrid = spec is not None and vllm_config.model_config is not None and vllm_config.model_config.is_hybrid
+    if spec is not None and (spec.method in ("draft_model", "mtp", "eagle3") or hybrid) and sched.async_scheduling:
         # vLLM's GPU runner keeps the drafts on the device and corrects the next step's
         # positions there; here the draft passes read the accepted tokens on the host.
         if logger is not None:
             logger.info("vllm-metal: async scheduling off with %s (its passes start from the step's "
-                        "accepted tokens, on the host)", "MTP" if spec.method == "mtp" else "a draft model")
+                        "accepted tokens, on the host)", "MTP" if spec.method == "mtp" else "an EAGLE-3 head"
+                        if spec.method == "eagle3" else "a draft model"
+                        if spec.method == "draft_model" else "a hybrid model (its states per draft position are "
+                        "selected by the step's accepted counts)")
         sched.async_scheduling = False
 
 
@@ -124,11 +154,21 @@ def speculative_capability() -> dict:
             "how": "drafts verified in the step's one graph (a row of query length k + 1), accepted with "
                    "vLLM's rejection sampling (greedy: the plain tokens; random: the target distribution); a "
                    "draft model's cache written as a request drafts, its k passes one graph; MTP ("
-                   f"{', '.join(MTP_FAMILIES)} checkpoints' next-token layer): its cache written in the step's "
-                   "graph, its passes one graph",
-            "refused": ["model proposers other than a draft model or MTP layer (EAGLE, Medusa, ...)",
-                        f"MTP of families other than {', '.join(MTP_FAMILIES)}, or with an 8-bit KV cache",
+                   f"{', '.join(MTP_FAMILIES + HYBRID_FAMILIES)} checkpoints' next-token layer): its cache written "
+                   "in the step's "
+                   "graph, its passes one graph; Gemma 4's assistant (a gemma4_assistant checkpoint as the "
+                   "speculative model): its query-only layers over the target's cache, its passes one graph; an "
+                   "EAGLE-3 head: fed the target's aux hidden states in the step's graph, as MTP; on "
+                   f"{', '.join(HYBRID_FAMILIES)} every method, their states kept per draft position",
+            "refused": ["model proposers other than a draft model, MTP layer or EAGLE-3 head (EAGLE-1, Medusa, ...)",
+                        f"EAGLE-3 for targets other than {', '.join(EAGLE3_TARGETS)}, quantized heads, heads of "
+                        "another size or vocabulary, or with an 8-bit KV cache",
+                        f"MTP of families other than {', '.join(MTP_FAMILIES + HYBRID_FAMILIES)}, or with an 8-bit "
+                        "KV cache",
                         "a draft model of another vocabulary, a hybrid / image / sliding-window draft model, or one "
                         "with an 8-bit KV cache", "--enable-lora", "ngram_gpu (use ngram)",
                         "rejection methods other than standard", "tensor / pipeline parallel ranks",
-                        "hybrid (recurrent-state) models", "image models", "a KV connector"]}
+                        f"hybrid (recurrent-state) models other than {', '.join(HYBRID_FAMILIES)}",
+                        "image models", "a KV connector",
+                        "a Gemma 4 assistant for another target (or with other shapes), quantized, or with an 8-bit "
+                        "KV cache"]}

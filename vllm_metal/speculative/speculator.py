@@ -32,11 +32,15 @@ from vllm_metal import envs
 from vllm_metal.speculative import rejection
 from vllm_metal.speculative.budget import DraftBudget
 from vllm_metal.speculative.draft_model import InputsFor, ModelDrafter
+from vllm_metal.speculative.gemma4_assistant import AssistantDrafter
+from vllm_metal.speculative.gemma4_assistant_config import is_assistant
 from vllm_metal.speculative.mtp import MtpDrafter
 from vllm_metal.speculative.ngram import NgramDrafter
 
 
-ModelProposer = ModelDrafter | MtpDrafter  # a drafting model: a draft model or the target's MTP layer
+# A drafting model: a draft model, the target's MTP layer, or Gemma 4's assistant.
+ModelProposer = ModelDrafter | MtpDrafter | AssistantDrafter
+IN_GRAPH = (MtpDrafter, AssistantDrafter)  # drafters fed the step's hidden states (Speculator.mtp_step)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class Speculator:
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
         # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
         self.budget = DraftBudget(pooled=spec_config.method == "draft_model",
-                                  passes=spec_config.method in ("draft_model", "mtp")) \
+                                  passes=spec_config.method in ("draft_model", "mtp", "eagle3")) \
             if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
@@ -86,22 +90,36 @@ class Speculator:
 
     def load_model(self, spec_config, target, dtype: str, dequantize: bool, fuse: bool, norm_rope: bool) -> None:
         """The drafting model of `--speculative-config`, loaded as the target is."""
+        if is_assistant(spec_config):  # Gemma 4's assistant: its layers over the target's cache
+            from vllm_metal.speculative.gemma4_assistant import load_assistant
+
+            self.model = load_assistant(target, spec_config, dtype)
+            return
+        if spec_config.method == "eagle3":  # an EAGLE-3 head: fed the target's aux states in the step's graph
+            from vllm_metal.speculative.eagle3 import load_eagle3
+
+            self.model = load_eagle3(target, spec_config, dtype, dequantize, fuse, norm_rope)
+            return
         if spec_config.method == "mtp":
             from vllm_metal.speculative.mtp import load_mtp
+            from vllm_metal.speculative.qwen_mtp import QWEN_MTP_FAMILIES, load_qwen_mtp
 
+            # Qwen3-Next / Qwen3.5 keep theirs under `mtp.*` (qwen_mtp.py), the others as a layer after the last.
+            load = load_qwen_mtp if getattr(spec_config.target_model_config.hf_config, "model_type",
+                                            None) in QWEN_MTP_FAMILIES else load_mtp
             # vLLM's draft_model_config.model: the target itself unless "model" names another checkpoint
-            self.model = load_mtp(target, spec_config.draft_model_config.model, spec_config, dtype, dequantize,
-                                  fuse, norm_rope)
+            self.model = load(target, spec_config.draft_model_config.model, spec_config, dtype, dequantize,
+                              fuse, norm_rope)
         else:
             from vllm_metal.speculative.draft_model import load_drafter
 
             self.model = load_drafter(spec_config, dtype, dequantize, fuse, norm_rope)
 
     def mtp_step(self, rows, states, spec: dict, inputs_for_factory):
-        """The MTP layer's share of the step graph (a callable of the step's
-        hidden states: MtpDrafter.write_step), or None without one.
+        """The MTP layer's (or EAGLE-3 head's, an MtpDrafter) share of the step graph (a callable of the
+        step's hidden states -- an EAGLE-3 head's: the aux states -- MtpDrafter.write_step), or None without one.
         inputs_for_factory(): the runner's step inputs for given rows (step_inputs.rows_inputs)."""
-        if not isinstance(self.model, MtpDrafter):
+        if not isinstance(self.model, IN_GRAPH):
             return None
         return lambda hidden: self.model.write_step(rows, states, spec, hidden, inputs_for_factory())
 
@@ -157,7 +175,7 @@ class Speculator:
                                                                 states[i].output_token_ids, k) for i in candidates}
             lengths = {r: len(d) for r, d in proposals.items() if d}
         keep = self.budget.allot(lengths, len(states)) if self.budget is not None else lengths
-        if isinstance(self.model, MtpDrafter):  # every row with a token: drafts as kept, pending pairs
+        if isinstance(self.model, IN_GRAPH):  # every row with a token: drafts as kept, pending pairs
             rows = np.array([i for i, new in enumerate(tokens) if new], np.int64)
             drafted = self.model.propose(rows, [states[i].req_id for i in rows],
                                          np.array([states[i].num_tokens - 1 for i in rows], np.int64),
