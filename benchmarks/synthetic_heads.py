@@ -175,9 +175,12 @@ def build_gemma4(out: Path, tokenizer_dir: str, config: dict = GEMMA4, seed: int
 
 
 def build_assistant(out: Path, target: dict, tw: dict, damp: float, mix: float,
-                    masked: tuple | None, seed: int, hidden: int = ASSISTANT_HIDDEN, clusters=None) -> str:
+                    masked: tuple | None, seed: int, hidden: int = ASSISTANT_HIDDEN, clusters=None,
+                    text: dict | None = None, top: dict | None = None) -> str:
     """A gemma4_assistant (transformers' own classes and save_pretrained) copying the target's bigram
-    through the first `hidden` coordinates; clusters: (token order, centroids) of the target's head."""
+    through the first `hidden` coordinates; clusters: (token order, centroids) of the target's head
+    (else ordered_clusters of the assistant's own); text / top: config fields over the defaults (the
+    text config's, the assistant config's; tests/speculative/gemma4_assistant_model.py's bad ones)."""
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
@@ -189,14 +192,15 @@ def build_assistant(out: Path, target: dict, tw: dict, damp: float, mix: float,
         attention_k_eq_v=target["attention_k_eq_v"], layer_types=["sliding_attention", "full_attention"],
         sliding_window=target["sliding_window"], rope_parameters=target["rope_parameters"],
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0,
-        rms_norm_eps=target["rms_norm_eps"], max_position_embeddings=target["max_position_embeddings"])
-    fields = dict(backbone_hidden_size=target["hidden_size"])
+        rms_norm_eps=target["rms_norm_eps"], max_position_embeddings=target["max_position_embeddings"],
+        **(text or {}))
+    fields = dict(backbone_hidden_size=target["hidden_size"], **(top or {}))
     if masked is not None:
         fields.update(use_ordered_embeddings=True, num_centroids=masked[0], centroid_intermediate_top_k=masked[1])
     config = Gemma4AssistantConfig(text_config=text_config, **fields)
     config.architectures = ["Gemma4AssistantForCausalLM"]
     model = Gemma4AssistantForCausalLM(config)
-    backbone = target["hidden_size"]
+    backbone = fields["backbone_hidden_size"]
     proj = np.eye(hidden, backbone)  # the embedding half of pre_projection: the first `hidden` coordinates
     head = np.array(tw["lm_head.weight"]) @ proj.T  # the target's head, seen through the map
     state = {}
@@ -230,8 +234,9 @@ def build_assistant(out: Path, target: dict, tw: dict, damp: float, mix: float,
 
 
 def ordered_clusters(head: np.ndarray, clusters: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Token ordering and centroids whose top clusters tend to hold the head's best tokens (as
-    tests/speculative/gemma4_assistant_model.ordered_clusters: random directions halve each group)."""
+    """Token ordering and centroids (use_ordered_embeddings) whose top clusters tend to hold the
+    head's best tokens: each of log2(clusters) random directions halves every group of tokens by
+    their head rows' projection on it; a cluster's centroid sums its halves' signed directions."""
     levels = int(np.log2(clusters))
     directions = rng.standard_normal((levels, head.shape[1]))
     groups = [np.arange(head.shape[0])]

@@ -17,7 +17,7 @@ weights copy the target's bigram: the embedding half of pre_projection
 keeps the first `hidden` coordinates, the other half is mix x random, its
 final norm and head are the target's (seen through those coordinates), its
 blocks' post-norms are scaled by `damp`; with masking, clusters that tend to
-hold the head's best tokens (ordered_clusters). So its drafts are the
+hold the head's best tokens (benchmarks/synthetic_heads.ordered_clusters). So its drafts are the
 target's tokens often, not always; with damp 0.5 (the tests' "raw"
 assistant) its blocks, attention over the target's cache included, move
 its drafts (a wrong window, position or context changes them).
@@ -36,11 +36,15 @@ and the assistant's post_projection output.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from families import build
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import synthetic_heads  # noqa: E402
 
 BACKBONE = 64  # tests/families.py's hidden size
 RANK = 48  # the target's token embeddings use its first RANK coordinates
@@ -67,74 +71,9 @@ def build_assistant(out: Path, target_dir: str, hidden: int = BACKBONE, damp: fl
     docstring); masked: (num_centroids, centroid_intermediate_top_k) turns
     on use_ordered_embeddings. text / top: config fields over the defaults
     (the text config's, the assistant config's)."""
-    import torch
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
-
     target = json.loads((Path(target_dir) / "config.json").read_text())
     tw = mx.load(str(Path(target_dir) / "model.safetensors"))
-    rng = np.random.default_rng(seed)
-    text_config = dict(
-        vocab_size=target["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
-        global_head_dim=target["global_head_dim"], num_global_key_value_heads=target["num_global_key_value_heads"],
-        attention_k_eq_v=target["attention_k_eq_v"], layer_types=["sliding_attention", "full_attention"],
-        sliding_window=target["sliding_window"], rope_parameters=target["rope_parameters"],
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=30.0,
-        rms_norm_eps=target["rms_norm_eps"], max_position_embeddings=target["max_position_embeddings"],
-        **(text or {}))
-    fields = dict(backbone_hidden_size=target["hidden_size"], **(top or {}))
-    if masked is not None:
-        fields.update(use_ordered_embeddings=True, num_centroids=masked[0], centroid_intermediate_top_k=masked[1])
-    config = Gemma4AssistantConfig(text_config=text_config, **fields)
-    config.architectures = ["Gemma4AssistantForCausalLM"]
-    model = Gemma4AssistantForCausalLM(config)
-    backbone = fields["backbone_hidden_size"]
-    proj = np.eye(hidden, backbone)  # the embedding half of pre_projection: the first `hidden` coordinates
-    head = np.array(tw["lm_head.weight"]) @ proj.T  # the target's head, seen through the map
-    state = {}
-    for name, value in model.state_dict().items():
-        shape = tuple(value.shape)
-        if name == "masked_embedding.token_ordering":
-            v = rng.permutation(shape[0])
-        elif name.endswith("layer_scalar"):
-            v = 1 + 0.05 * rng.standard_normal(shape)
-        elif len(shape) >= 2:
-            v = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        else:
-            v = 1 + 0.05 * rng.standard_normal(shape)
-            if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
-                v = v * damp
-        state[name] = v
-    state["pre_projection.weight"] = np.concatenate(
-        [proj / np.sqrt(backbone) * 4, mix * rng.standard_normal((hidden, backbone)) / np.sqrt(backbone)], axis=1)
-    state["model.norm.weight"] = proj @ np.array(tw["model.norm.weight"])
-    state["model.embed_tokens.weight"] = head + 0.01 * rng.standard_normal(head.shape)
-    if "lm_head.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    if masked is not None:
-        state["masked_embedding.token_ordering"], state["masked_embedding.centroids.weight"] = \
-            ordered_clusters(state["model.embed_tokens.weight"], masked[0], rng)
-    torch_state = {k: torch.tensor(np.asarray(v), dtype=model.state_dict()[k].dtype) for k, v in state.items()}
-    model.load_state_dict(torch_state, strict=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return str(out)
-
-
-def ordered_clusters(head: np.ndarray, clusters: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Token ordering and centroids (use_ordered_embeddings) whose top clusters tend to hold the
-    head's best tokens: each of log2(clusters) random directions halves every group of tokens by
-    their head rows' projection on it; a cluster's centroid sums its halves' signed directions."""
-    levels = int(np.log2(clusters))
-    directions = rng.standard_normal((levels, head.shape[1]))
-    groups = [np.arange(head.shape[0])]
-    for u in directions:
-        split = []
-        for g in groups:
-            order = g[np.argsort(-(head[g] @ u), kind="stable")]
-            split += [order[:len(g) // 2], order[len(g) // 2:]]  # the high half first
-        groups = split
-    signs = np.array([[1 - 2 * ((c >> (levels - 1 - i)) & 1) for i in range(levels)] for c in range(clusters)])
-    return np.concatenate(groups), signs @ directions
+    return synthetic_heads.build_assistant(out, target, tw, damp, mix, masked, seed, hidden, text=text, top=top)
 
 
 def rope(x: mx.array, position: int, params: dict) -> mx.array:

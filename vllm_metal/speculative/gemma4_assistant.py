@@ -41,6 +41,7 @@ from vllm_metal.models.attention_adapter import LayerCacheView, PagedKVCache, St
 from vllm_metal.models.loaded_model import LoadedModel
 from vllm_metal.speculative.draft_model import InputsFor
 from vllm_metal.speculative.gemma4_assistant_config import layer_kinds, layer_shape, source_layers, text_of
+from vllm_metal.speculative.mtp import collect_drafts
 
 
 class NoCacheOfItsOwn:
@@ -182,10 +183,7 @@ class AssistantDrafter:
         mx.eval([t for _, t in passes])  # the passes' one evaluation
         self.passes += len(passes)
         self.frontier, self.frontier_at = None, {}
-        for active, tokens in passes:
-            for a, t in zip(active, tokens.tolist()):
-                drafts[drafting[a]].append(t)
-        return drafts
+        return collect_drafts(drafts, passes, drafting)
 
     @staticmethod
     def _step(inputs) -> StepAttentionInputs:

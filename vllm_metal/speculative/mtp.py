@@ -103,7 +103,19 @@ def _checkpoint_tensors(directory: Path, prefix: str) -> dict[str, mx.array]:
     return out
 
 
+def collect_drafts(drafts: list[list[int]], passes, drafting: np.ndarray) -> list[list[int]]:
+    """Each pass's tokens (active rows among the drafting ones, their tokens) appended to those
+    rows' drafts, in pass order."""
+    for active, tokens in passes:
+        for a, t in zip(active, tokens.tolist()):
+            drafts[drafting[a]].append(t)
+    return drafts
+
+
 class MtpDrafter:
+    # The embedding of a pair at position 0 zeroed (GLM's and DeepSeek's layers; not Qwen's).
+    zero_first = True
+
     def __init__(self, block: LoadedModel, embed: nn.Module, extras: dict[str, nn.Module], k: int,
                  max_model_len: int, feeds_normed: bool = False):
         self.model, self.embed, self.k, self.max_model_len = block, embed, k, max_model_len
@@ -140,7 +152,7 @@ class MtpDrafter:
         before them): its output rows m (lazy), its cache written."""
         e = self.embed(tokens)
         first = inputs.positions == 0
-        if first.any():
+        if self.zero_first and first.any():
             e = mx.where(mx.array(first)[:, None], mx.zeros_like(e), e)
         self.given.rows = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(previous.astype(e.dtype))],
                                                       axis=-1))[None]
@@ -237,10 +249,7 @@ class MtpDrafter:
         mx.eval([t for _, t in passes], self.kv.arrays())  # the passes' one evaluation
         self.passes += len(passes)
         self.frontier, self.frontier_at = None, {}
-        for active, tokens in passes:
-            for a, t in zip(active, tokens.tolist()):
-                drafts[drafting[a]].append(t)
-        return drafts
+        return collect_drafts(drafts, passes, drafting)
 
 
 def load_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, dequantize: bool, fuse: bool,

@@ -48,15 +48,7 @@ def qwen_mtp_layer_count(config: dict) -> int:
 
 
 class QwenMtpDrafter(MtpDrafter):
-    def run(self, inputs, tokens: mx.array, previous: mx.array) -> mx.array:
-        """The layer over `inputs`' pairs: its output rows (lazy), its cache written."""
-        e = self.embed(tokens)
-        self.given.rows = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(previous.astype(e.dtype))],
-                                                      axis=-1))[None]
-        try:
-            return self.model.forward_hidden(self.kv, inputs)
-        finally:
-            self.given.rows = None
+    zero_first = False  # vLLM's Qwen MTP layers feed position 0's embedding as it is
 
 
 def _hugging_face_layout(directory: Path, config: dict) -> bool:
