@@ -96,13 +96,13 @@ def runs(models):
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"  # every draft verified (vLLM's behaviour)
     try:
         # One engine for the llama head: chunked prefill (48-token chunks: pairs whose next token is the
-        # next chunk's first), a cache of 20 blocks (the batches below need more: preemptions), prefix caching.
+        # next chunk's first), a cache of 16 blocks (the batches below need more: preemptions), prefix caching.
         with engine(models["llama"], speculative_config=eagle3(models["llama head"]), disable_log_stats=False,
                     max_num_seqs=16, max_num_batched_tokens=48, max_model_len=256,
-                    kv_cache_memory_bytes=20 * 5 * 2 * 16 * 2 * 16 * 4) as llm:
+                    kv_cache_memory_bytes=16 * 5 * 2 * 16 * 2 * 16 * 4) as llm:
             runner = runner_of(llm)
             s = runner.speculator
-            assert s.budget is None and not runner.async_scheduling
+            assert s.budget is None and runner.async_scheduling
             out["proposals"] = []
             record(runner, out["proposals"])
             out["spec"] = generate(llm, PROMPTS, workload(stop))
@@ -154,8 +154,8 @@ def test_drafts_are_the_heads_own_greedy_continuation(runs, models):
         for tokens, drafts in proposals[::step]:
             assert drafts == ref.drafts(tokens, len(drafts)), (target, len(tokens))
     # The aux states matter: the reference reading other target layers drafts otherwise.
-    other = Reference(models["llama"], models["llama head"], aux_ids=(1, 2, 3))
-    sample = runs["proposals"][::8]
+    other = Reference(models["llama"], models["llama head"], aux_ids=(3, 1, 2))
+    sample = runs["proposals"][::4]
     assert sum(d != other.drafts(t, len(d)) for t, d in sample) > len(sample) // 10
 
 

@@ -196,9 +196,9 @@ def runs(model_dir, draft_dir):
             with engine(model_dir, speculative_config=config, disable_log_stats=False, max_num_seqs=64) as llm:
                 runner = runner_of(llm)
                 s = runner.speculator
-                # vLLM's V1 engine runs n-gram speculation synchronously (its rule), and so do we
-                # with a draft model (vLLM's default there is async): the proposal needs the tokens.
-                assert s.budget is None and not runner.async_scheduling
+                # vLLM's V1 engine runs n-gram speculation synchronously (its rule), a draft model
+                # with its default async scheduling (the drafts fill the scheduler's placeholders).
+                assert s.budget is None and runner.async_scheduling == (method == "draft")
                 assert (s.model is not None) == (method == "draft")
                 if method == "draft":
                     record_drafts(runner, out.setdefault(("draft", "proposals"), []))

@@ -68,7 +68,7 @@ def runs(models):
                     max_num_seqs=16, max_num_batched_tokens=32) as llm:
             runner = runner_of(llm)
             s = runner.speculator
-            assert s.budget is None and not runner.async_scheduling and not runner.get_kv_cache_spec().keys() - {
+            assert s.budget is None and runner.async_scheduling and not runner.get_kv_cache_spec().keys() - {
                 f"model.layers.{i}.self_attn" for i in range(2)}  # the assistant declares no cache of its own
             out["proposals"] = []
             record(runner, out["proposals"])

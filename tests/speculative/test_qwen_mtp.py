@@ -216,7 +216,7 @@ def runs(models, model_dir):
 
 
 def test_greedy_with_mtp_is_the_plain_output(runs):
-    assert not runs["async"]  # the accepted counts select the states on the host
+    assert runs["async"]  # vLLM's default: the drafts fill the scheduler's placeholders
     assert runs["spec"][0] == runs["plain"][0] and max(map(len, PROMPTS)) > CHUNK
     drafted, accepted, rows = runs["counts"]
     assert accepted > 20 and drafted - accepted > 20, runs["counts"]  # drafts kept and drafts rejected

@@ -108,7 +108,7 @@ class MetalModelRunner:
         self.multimodal: MultimodalStep | None = None  # a vision-language model serving images
         spec = vllm_config.speculative_config  # --speculative-config: drafts and their verify (speculative/)
         self.speculator = Speculator(spec, self.model_config.max_model_len, not only_builtin_logitsprocs(
-            self.logitsprocs)) if spec is not None and not self.is_pooling else None
+            self.logitsprocs), self.async_scheduling) if spec is not None and not self.is_pooling else None
 
     # ---- start-up -------------------------------------------------------
 
@@ -281,13 +281,12 @@ class MetalModelRunner:
         read the input ids on the host)."""
         m = self.mlx_model
         return self.async_scheduling and self.multimodal is None and m.transport is None and \
-            self.kv_connector is None
+            self.kv_connector is None and self.speculator is None  # drafts: proposed from the tokens
 
     def _execute(self, so: SchedulerOutput, connector, prev: PendingStep | None = None):
         self.batch.update(so)
-        if self.speculator is not None:
-            self.speculator.forget(so.finished_req_ids)
-            self.speculator.step_started(so, time.perf_counter())
+        if self.speculator is not None:  # under async scheduling: its drafts in vLLM's placeholders
+            so = self.speculator.begin_step(so, self.batch.states(), time.perf_counter())
         if self.state_index is not None:
             self.state_index.forget(so)
         if so.kv_cache_block_copies:  # the prefix cache's copy-on-write, before anything reads the blocks

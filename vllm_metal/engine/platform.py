@@ -240,10 +240,10 @@ class MetalPlatform(Platform):
         check_pooling_config(vllm_config)  # --runner pooling: what it may be combined with
         from vllm_metal.speculative.serving_config import check_speculative_config
 
-        check_speculative_config(vllm_config, logger)  # --speculative-config: the methods served (speculative/)
-        # Async scheduling stays vLLM's choice (on by default): the runner
+        check_speculative_config(vllm_config)  # --speculative-config: the methods served (speculative/)
+        # Async scheduling stays vLLM's choice (on by default, with speculation too): the runner
         # starts a step's evaluation and lets the engine schedule the next
-        # step meanwhile (model_runner.py); not with a KV connector (below) or a draft model (above).
+        # step meanwhile (model_runner.py); not with a KV connector (below).
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = 16

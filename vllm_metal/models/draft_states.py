@@ -13,7 +13,8 @@ the next step (num_accepted_tokens). Here the gated-delta layers
 (gated_delta.py) compute the 1 + d candidate states of each verify row in
 the step's graph -- the convolution's last inputs after each position (a
 window of its input) and the recurrent state after each position (the
-recurrence run position by position over those rows) -- and keep them
+recurrence's one call runs each verify row again over only its first
+1 .. width - 1 positions, `prefix_rows` / `prefix_mask`) -- and keep them
 (`DraftRows.candidates`, evaluated with the step); once sampling has
 accepted a drafts, `select` writes candidate a (the state after 1 + a
 tokens) to the row's destination slot, functionally: the write is part of
@@ -48,6 +49,10 @@ class DraftRows:
     # Per KV-cache group: (blocks read, blocks written) of align mode, rows [V] (state_align.py).
     state_slots: dict[int, tuple[np.ndarray, np.ndarray]]
     tables: list[np.ndarray]  # per KV-cache group: the rows' block tables [V, blocks]
+    # The recurrence's extra rows: verify row v again over only its first j + 1 positions, for
+    # j < width - 1 (index into the step's rows, int32 [V * (width - 1)]; bool mask [.., the step's width]).
+    prefix_rows: mx.array | None = None
+    prefix_mask: mx.array | None = None
     # layer -> (its KV-cache group, convolution candidates [V, width, kernel - 1, conv_dim],
     # recurrent candidates [V, width, ...]): candidate j is the state after j + 1 tokens.
     candidates: dict[int, tuple[int, mx.array, mx.array]] = field(default_factory=dict)
@@ -57,7 +62,14 @@ class DraftRows:
               state_slots: dict[int, tuple[np.ndarray, np.ndarray]] | None,
               block_tables: list[np.ndarray] | None) -> DraftRows:
         rows = np.asarray(rows, np.int64)
-        return cls(rows=rows, index=mx.array(rows.astype(np.int32)), width=int(np.max(counts[rows])),
+        width = int(np.max(counts[rows]))
+        prefixes = np.arange(width - 1)
+        positions = np.arange(int(np.max(counts)))  # the step's padded width
+        mask = (positions[None, None, :] <= prefixes[None, :, None]) & \
+            (positions[None, None, :] < np.asarray(counts)[rows][:, None, None])
+        return cls(rows=rows, index=mx.array(rows.astype(np.int32)), width=width,
+                   prefix_rows=mx.array(np.repeat(rows, width - 1).astype(np.int32)),
+                   prefix_mask=mx.array(mask.reshape(-1, len(positions))),
                    num_computed=np.asarray(first_positions, np.int64)[rows],
                    state_slots={g: (np.asarray(s)[rows], np.asarray(d)[rows])
                                 for g, (s, d) in (state_slots or {}).items()},

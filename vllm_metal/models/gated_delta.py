@@ -18,8 +18,8 @@ float32 (mlx-lm's shapes), gathered, run and written back as
 models/state_slots.py describes: every row's scheduled tokens -- decode,
 prefill and chunked prefill alike -- as one right-padded batch with a mask,
 inside the step's one lazy graph. Rows verifying drafts (speculative
-decoding) also keep their states after each position, the recurrence run
-one position at a time over those rows (models/draft_states.py).
+decoding) also keep their states after each position: the same call runs
+each such row again over its first 1 .. width - 1 positions (models/draft_states.py).
 """
 
 from __future__ import annotations
@@ -109,13 +109,16 @@ class GatedDeltaLayer(nn.Module):
         qc, kc = normalize_qk(qc, kc, inv_scale=self.head_k_dim ** -0.5, eps=1e-6)
         gate_a, b, state = step.pad(gate_a), step.pad(b), step.gather(1)
         drafts = step.rows.drafts
-        if drafts is not None:  # verify rows: the state after each position, one position at a time
-            i, candidates, s = drafts.index, [], state[drafts.index]
-            for j in range(drafts.width):
-                s = self.run(*(t[i, j:j + 1] for t in (qc, kc, vc, gate_a, b)), s, None)[1]
-                candidates.append(s)
-            step.keep_candidates(mx.stack(candidates, axis=1))
-        out, state = self.run(qc, kc, vc, gate_a, b, state, step.rows.mask)
+        if drafts is None:
+            out, state = self.run(qc, kc, vc, gate_a, b, state, step.rows.mask)
+        else:  # verify rows: their states after each position too, in the same call (draft_states.py)
+            n, e = num_seqs, drafts.prefix_rows
+            mask = step.rows.mask if step.rows.mask is not None else mx.ones((n, width), mx.bool_)
+            out, states = self.run(*(mx.concatenate([t, t[e]]) for t in (qc, kc, vc, gate_a, b)),
+                                   mx.concatenate([state, state[e]]), mx.concatenate([mask, drafts.prefix_mask]))
+            out, state = out[:n], states[:n]
+            prefixes = states[n:].reshape(len(drafts.rows), drafts.width - 1, *state.shape[1:])
+            step.keep_candidates(mx.concatenate([prefixes, state[drafts.index][:, None]], axis=1))
         step.write(1, state)
         out = a.norm(step.unpad(out), z)
         return step.done(a.out_proj(out.reshape(1, x.shape[1], -1)))

@@ -17,10 +17,9 @@ sliding-window, or with an 8-bit KV cache), an 8-bit KV cache with MTP, LoRA
 adapters, rejection methods other than vLLM's standard one, speculation
 across tensor / pipeline parallel ranks, over linear-attention (recurrent)
 state other than HYBRID_FAMILIES', with images or
-with a KV connector. A draft model, MTP and any speculation on a hybrid run
-with synchronous scheduling (vLLM's default for them is async): their passes
-need the step's accepted tokens on the host, and a hybrid's accepted counts
-select its states there.
+with a KV connector. Async scheduling stays as vLLM sets it (on for a draft
+model, MTP and EAGLE-3; off for n-gram): the runner fills the scheduler's
+placeholder drafts with its own (async_drafts.py).
 """
 
 from __future__ import annotations
@@ -130,22 +129,10 @@ def refusal(vllm_config) -> str | None:
     return None
 
 
-def check_speculative_config(vllm_config, logger=None) -> None:
+def check_speculative_config(vllm_config) -> None:
     reason = refusal(vllm_config)
     if reason is not None:
         raise ValueError(reason)
-    spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
-    hybrid = spec is not None and vllm_config.model_config is not None and vllm_config.model_config.is_hybrid
-    if spec is not None and (spec.method in ("draft_model", "mtp", "eagle3") or hybrid) and sched.async_scheduling:
-        # vLLM's GPU runner keeps the drafts on the device and corrects the next step's
-        # positions there; here the draft passes read the accepted tokens on the host.
-        if logger is not None:
-            logger.info("vllm-metal: async scheduling off with %s (its passes start from the step's "
-                        "accepted tokens, on the host)", "MTP" if spec.method == "mtp" else "an EAGLE-3 head"
-                        if spec.method == "eagle3" else "a draft model"
-                        if spec.method == "draft_model" else "a hybrid model (its states per draft position are "
-                        "selected by the step's accepted counts)")
-        sched.async_scheduling = False
 
 
 def speculative_capability() -> dict:

@@ -29,7 +29,7 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_metal import envs
-from vllm_metal.speculative import rejection
+from vllm_metal.speculative import async_drafts, rejection
 from vllm_metal.speculative.budget import DraftBudget
 from vllm_metal.speculative.draft_model import InputsFor, ModelDrafter
 from vllm_metal.speculative.gemma4_assistant import AssistantDrafter
@@ -69,8 +69,11 @@ def tail(state, position: int) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, spec_config, max_model_len: int, custom_logitsprocs: bool):
+    def __init__(self, spec_config, max_model_len: int, custom_logitsprocs: bool, async_scheduling: bool = False):
         self.k = spec_config.num_speculative_tokens
+        # vLLM's async scheduling: the drafts go straight into the next step's placeholders (async_drafts.py).
+        self.async_scheduling = async_scheduling
+        self.max_model_len = max_model_len
         # n-gram lookup on the host, or a model: a draft model (draft_model.py) or the target's MTP
         # layer (mtp.py), set by the runner's load_model through `load_model`
         self.drafter = NgramDrafter(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, self.k,
@@ -83,6 +86,7 @@ class Speculator:
             if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
+        self._next: dict[str, list[int]] = {}  # req_id -> its drafts for the next step (async scheduling)
         # Instrumentation (tests, benchmarks): drafts verified, accepted, rows verified.
         self.drafted = 0
         self.accepted = 0
@@ -148,15 +152,23 @@ class Speculator:
         self.verified_rows += rows
         self.drafted += drafts
 
-    def step_started(self, so, now: float) -> None:
-        """Times a step whose every row decodes (one token, or one plus its drafts) for the budget's cost
-        fit; preempted and resumed requests' draft caches start over."""
+    def begin_step(self, so, states, now: float):
+        """The step as the runner runs it: finished requests forgotten, preempted and resumed requests'
+        draft caches started over, under async scheduling the placeholders filled with the drafts
+        proposed after each request's last step (async_drafts.py); a step whose every row decodes (one
+        token, or one plus its drafts) is timed for the budget's cost fit."""
+        self.forget(so.finished_req_ids)
         if self.model is not None:
             self.model.restart([*(so.preempted_req_ids or ()), *so.scheduled_cached_reqs.resumed_req_ids])
+        if self.async_scheduling:
+            filled = async_drafts.substitute(so, states, self._next, self.max_model_len, self.k + 1)
+            so = filled.so
+            self.count_padding(filled.padded_rows, filled.padded_drafts)
         spec = so.scheduled_spec_decode_tokens
         drafts = sum(len(d) for d in spec.values())
         decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) + drafts
         self._step = (now, so.total_num_scheduled_tokens) if decode_only else None
+        return so
 
     def propose(self, states, tokens: list[list[int]], k: int, now: float | None = None,
                 room: np.ndarray | None = None, inputs_for: InputsFor | None = None) -> None:
@@ -165,8 +177,8 @@ class Speculator:
         (n-gram) or drafted (model) as far as the budget says it pays.
         room, inputs_for: the tokens each batch row's blocks hold, and the
         step inputs of given tokens per row (the runner's; a draft model's passes)."""
-        candidates = [i for i, (state, new) in enumerate(zip(states, tokens))
-                      if new and self.enabled and may_draft(state)]
+        candidates = [i for i, (state, new) in enumerate(zip(states, tokens)) if new and self.enabled and
+                      may_draft(state) and not async_drafts.finished(state, self.max_model_len, len(new))]
         if self.model is not None:
             reach = {states[i].req_id: self.model.reach(states[i].num_tokens - 1, int(room[i])) for i in candidates}
             lengths = {r: min(n, k) for r, n in reach.items() if min(n, k) > 0}
@@ -199,6 +211,7 @@ class Speculator:
         self._step = None
         drafts = [proposals.get(s.req_id, [])[:keep.get(s.req_id, 0)] for s in states]
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
+        self._next = {s.req_id: d for s, d in zip(states, drafts)}
 
     def take(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
