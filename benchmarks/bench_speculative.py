@@ -36,7 +36,10 @@ results in benchmarks/results/speculative/METHOD.{json,md} (--method mtp is
 --mtp). --quick: a smoke run (2 prompts at c=1, 8 at c=8, 32 output
 tokens), its results in the run's folder only.
 
-    .venv/bin/python benchmarks/bench_speculative.py --method eagle3 [--quick]
+    .venv/bin/python benchmarks/bench_speculative.py --method eagle3 [--quick] [--async-gain]
+
+--async-gain adds the drafter with --no-async-scheduling (vLLM's default is
+async: the runner fills the scheduler's placeholder drafts with its own).
 
 With --synthetic the --draft runs take that synthetic GLM checkpoint as the
 target. Caution: vLLM turns a draft_model config whose draft is a glm4_moe
@@ -124,6 +127,11 @@ def register_method_system(method: str, draft: str | None) -> tuple[str, dict]:
         name, f"vllm-metal, {method}", {"VLLM_METAL_DEVICE": "cpu"},
         ["--speculative-config", json.dumps(config)], "vllm-metal")
     PLAIN[name] = "vllm-metal"
+    # The same with synchronous scheduling: what vLLM's default async scheduling gains (--async-gain).
+    bench_serving.SYSTEMS[name + "-sync"] = bench_serving.System(
+        name + "-sync", f"vllm-metal, {method}, --no-async-scheduling", {"VLLM_METAL_DEVICE": "cpu"},
+        ["--speculative-config", json.dumps(config), "--no-async-scheduling"], "vllm-metal")
+    PLAIN[name + "-sync"] = "vllm-metal"
     return name, config
 
 
@@ -218,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp", action="store_true", help="the MTP runs, on the synthetic GLM checkpoint")
     ap.add_argument("--method", choices=METHODS,
                     help="one drafter on its synthetic target (benchmarks/synthetic_heads.py; mtp: as --mtp)")
+    ap.add_argument("--async-gain", action="store_true",
+                    help="--method: also the drafter with --no-async-scheduling (async scheduling's gain)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 prompts at c=1, 8 at c=8, 32 output tokens; results and docs untouched")
     ap.add_argument("--synthetic", nargs="?", const="small", choices=sorted(synthetic_mtp.CONFIGS),
@@ -243,7 +253,7 @@ def main(argv=None) -> int:
         args.num_prompts, args.output_len, args.no_docs = [2, 8][:len(args.concurrency)], 32, True
     if args.method:
         system, spec = register_method_system(args.method, None)  # (the draft's path is set once built)
-        args.systems = args.systems or f"vllm-metal,{system}"
+        args.systems = args.systems or f"vllm-metal,{system}" + (f",{system}-sync" if args.async_gain else "")
         args.cells = args.cells or "copy:1,sonnet:8"
     if args.systems is None:
         args.systems = "vllm-metal,vllm-metal-draft,mlx-lm,mlx-lm-draft" if args.draft else \
