@@ -1,8 +1,18 @@
 """What the model-proposer tests (MTP, Qwen MTP, DeepSeek MTP, EAGLE-3, Gemma 4's
 assistant) share: recording a runner's proposals for the reference checks, and
-the check that the runner's counts are vLLM's spec-decode metrics."""
+the check that the runner's counts are vLLM's spec-decode metrics, and the
+seeded-sampling check: a request's first two tokens drawn with drafts follow
+the target's exact joint top-K distribution (chi-square)."""
 
 from __future__ import annotations
+
+import numpy as np
+from test_rejection import chi_square_p
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+K = 5  # the distribution tests' top-k
 
 
 def record(runner, into: list, vary_up_to: int | None = None) -> None:
@@ -34,3 +44,43 @@ def assert_counts_are_vllms_metrics(counts: tuple[int, int, int], got: dict) -> 
     assert got["vllm:spec_decode_num_draft_tokens"] == drafted
     assert got["vllm:spec_decode_num_accepted_tokens"] == accepted
     assert got["vllm:spec_decode_num_drafts"] == rows
+
+
+def top_k_distribution(llm, prompt):
+    """The exact top-K next-token distribution at temperature 1 (vLLM's raw logprobs, renormalised)."""
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                       SamplingParams(temperature=0, max_tokens=1, logprobs=K), use_tqdm=False)
+    d = out[0].outputs[0].logprobs[0]
+    ids = sorted(d, key=lambda t: -d[t].logprob)[:K]
+    lp = np.array([d[t].logprob for t in ids], np.float64)
+    return ids, np.exp(lp - lp.max()) / np.exp(lp - lp.max()).sum()
+
+
+def joint_of_two(llm, prompt) -> dict[tuple[int, int], float]:
+    """The exact top-K joint distribution of a request's first two tokens (an engine without drafts)."""
+    first_ids, p1 = top_k_distribution(llm, prompt)
+    return {(a, b): pa * pb for a, pa in zip(first_ids, p1) for b, pb in zip(*top_k_distribution(llm, prompt + [a]))}
+
+
+def seeded_pairs(llm, prompt, n: int) -> list[tuple[int, ...]]:
+    """n requests' first two tokens at temperature 1, top-K, seeds 0 .. n - 1 (the second one verified
+    against drafts: accepted by vLLM's rejection rule or replaced)."""
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n,
+                       [SamplingParams(temperature=1.0, top_k=K, seed=i, max_tokens=2, ignore_eos=True)
+                        for i in range(n)], use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids) for o in out]
+
+
+def sampling_counts(speculator) -> tuple[int, int, int]:
+    return speculator.verified_rows, speculator.accepted, speculator.drafted
+
+
+def assert_keeps_the_distribution(samples, joint: dict, counts: tuple[int, int, int]) -> None:
+    """counts: (rows verified, drafts accepted, drafted) while sampling: drafts were taken and refused."""
+    verified, accepted, drafted = counts
+    assert verified >= len(samples) // 2 and 0 < accepted < drafted, counts
+    pairs = list(joint)
+    observed = np.zeros(len(pairs))
+    for t in samples:
+        observed[pairs.index(t)] += 1
+    assert chi_square_p(observed, len(samples) * np.array([joint[p] for p in pairs])) > 1e-3

@@ -25,7 +25,8 @@ import os
 import pytest
 from deepseek_mtp_model import Reference, build_deepseek_mtp
 from engine_helpers import GOLDEN, engine, runner_of
-from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
+from spec_helpers import (assert_counts_are_vllms_metrics, assert_keeps_the_distribution, joint_of_two, metrics,
+                          record, sampling_counts, seeded_pairs)
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -37,6 +38,9 @@ PROMPTS = [g["prompt_ids"][:20 + 7 * i] for i, g in enumerate(GOLDEN[:8])]  # di
 # After the batch: prompts sharing 3 blocks (48 tokens) with request 7's: prefix-cache hits.
 AGAIN = [PROMPTS[7][:48] + GOLDEN[0]["prompt_ids"][:5], PROMPTS[7][:50] + GOLDEN[1]["prompt_ids"][:9]]
 CHUNKED = dict(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=512)
+
+
+N_SAMPLES = 240  # the distribution test's samples (top-k: spec_helpers.K)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,7 @@ def runs(models):
     with engine(models["damped"], **CHUNKED) as llm:
         out["plain"] = generate(llm, PROMPTS, params())[0]
         out["plain again"] = generate(llm, AGAIN, again)[0]
+        out["joint"] = joint_of_two(llm, PROMPTS[1])
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"  # every draft verified (vLLM's behaviour)
     try:
         with engine(models["damped"], speculative_config=MTP, disable_log_stats=False, **CHUNKED) as llm:
@@ -75,6 +80,9 @@ def runs(models):
             out["spec again"], out["cached"] = generate(llm, AGAIN, again)
             out["counts"] = s.drafted, s.accepted, s.verified_rows
             out["metrics"] = metrics(llm)
+            before = sampling_counts(s)
+            out["samples"] = seeded_pairs(llm, PROMPTS[1], N_SAMPLES)
+            out["sample counts"] = tuple(a - b for a, b in zip(sampling_counts(s), before))
         with engine(models["raw"], speculative_config=MTP, **CHUNKED) as llm:
             out["raw proposals"] = []
             record(runner_of(llm), out["raw proposals"])
@@ -94,6 +102,10 @@ def test_greedy_with_deepseek_mtp_is_the_plain_output(runs):
 
 def test_counts_are_vllms_spec_decode_metrics(runs):
     assert_counts_are_vllms_metrics(runs["counts"], runs["metrics"])
+
+def test_seeded_random_sampling_keeps_the_target_distribution(runs):
+    assert_keeps_the_distribution(runs["samples"], runs["joint"], runs["sample counts"])
+
 
 
 def test_the_mtp_layers_cache_is_latent_like_the_targets(runs):

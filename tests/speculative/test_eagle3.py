@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 from eagle3_model import Reference, aux_states, build_head, build_target
 from engine_helpers import GOLDEN, engine, runner_of
-from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
+from spec_helpers import (assert_counts_are_vllms_metrics, assert_keeps_the_distribution, joint_of_two, metrics,
+                          record, sampling_counts, seeded_pairs)
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -40,6 +41,9 @@ SHARED = TEXT[400:464]  # a prefix-cache hit: 4 full blocks, then two different 
 
 def eagle3(head: str, **extra) -> dict:
     return {"method": "eagle3", "model": head, "num_speculative_tokens": K, **extra}
+
+
+N_SAMPLES = 240  # the distribution test's samples (top-k: spec_helpers.K)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +95,16 @@ def runs(models):
         out["plain"] = generate(llm, PROMPTS, workload(stop))
         out["plain prefix"] = prefix_hit(llm)
         out["plain tiny"] = generate(llm, *tiny_cache())
+        out["joint"] = joint_of_two(llm, PROMPTS[1])
     ref = Reference(models["qwen3"], models["qwen3 head"])  # mlx-lm's greedy output of the qwen3 target
     out["qwen3 plain"] = [(ref.target_next(p, n), "length") for p, n in zip(PROMPTS[:4], QWEN3_TOKENS)]
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"  # every draft verified (vLLM's behaviour)
     try:
         # One engine for the llama head: chunked prefill (48-token chunks: pairs whose next token is the
-        # next chunk's first), a cache of 16 blocks (the batches below need more: preemptions), prefix caching.
+        # next chunk's first), a cache of 17 blocks (the batches below need more: preemptions), prefix caching.
         with engine(models["llama"], speculative_config=eagle3(models["llama head"]), disable_log_stats=False,
                     max_num_seqs=16, max_num_batched_tokens=48, max_model_len=256,
-                    kv_cache_memory_bytes=16 * 5 * 2 * 16 * 2 * 16 * 4) as llm:
+                    kv_cache_memory_bytes=17 * 5 * 2 * 16 * 2 * 16 * 4) as llm:
             runner = runner_of(llm)
             s = runner.speculator
             assert s.budget is None and runner.async_scheduling
@@ -111,6 +116,9 @@ def runs(models):
             out["resumed"] = runner.batch.num_resumed
             out["counts"] = s.drafted, s.accepted, s.verified_rows
             out["metrics"] = metrics(llm)
+            before = sampling_counts(s)
+            out["samples"] = seeded_pairs(llm, PROMPTS[1], N_SAMPLES)
+            out["sample counts"] = tuple(a - b for a, b in zip(sampling_counts(s), before))
             out["aux layers"] = runner.mlx_model.aux_layers
         with engine(models["qwen3"], speculative_config=eagle3(models["qwen3 head"]), max_num_seqs=8) as llm:
             runner = runner_of(llm)
@@ -139,6 +147,10 @@ def test_greedy_with_eagle3_is_the_plain_output(runs):
 
 def test_counts_are_vllms_spec_decode_metrics(runs):
     assert_counts_are_vllms_metrics(runs["counts"], runs["metrics"])
+
+def test_seeded_random_sampling_keeps_the_target_distribution(runs):
+    assert_keeps_the_distribution(runs["samples"], runs["joint"], runs["sample counts"])
+
 
 
 def test_preemption_through_a_tiny_cache(runs):

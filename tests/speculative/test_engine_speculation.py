@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
+from spec_helpers import K, top_k_distribution
 from test_rejection import chi_square_p
 
 from vllm import SamplingParams
@@ -151,8 +152,7 @@ def metrics(llm) -> dict:
 
 
 BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
-K = 5  # the distribution test's top-k
-N = {"ngram": 240, "draft": 120}  # ... and its samples (a draft model's passes cost a 28-layer step each)
+N = {"ngram": 240, "draft": 120}  # the distribution test's samples (a draft model's passes cost a 28-layer step each)
 # ... and its prompt per method: one whose first draft the target sometimes takes
 # (the 28-layer draft's first guess after the whole COPY prompt is never in the target's top 5).
 SAMPLE_PROMPT = {"ngram": COPY, "draft": COPY[:-9]}
@@ -162,16 +162,6 @@ def preemption_workload():
     base = GOLDEN[-1]["prompt_ids"][:80]
     prompts = [(base * 3)[:16 * (10 + i % 3) - 1] for i in range(8)]  # repetitive: drafts match
     return prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def top_k_distribution(llm, prompt):
-    """The exact top-K next-token distribution at temperature 1 (vLLM's raw logprobs, renormalised)."""
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                       SamplingParams(temperature=0, max_tokens=1, logprobs=K), use_tqdm=False)
-    d = out[0].outputs[0].logprobs[0]
-    ids = sorted(d, key=lambda t: -d[t].logprob)[:K]
-    lp = np.array([d[t].logprob for t in ids], np.float64)
-    return ids, np.exp(lp - lp.max()) / np.exp(lp - lp.max()).sum()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
-from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
+from spec_helpers import (assert_counts_are_vllms_metrics, assert_keeps_the_distribution, joint_of_two, metrics,
+                          record, sampling_counts, seeded_pairs)
 from gemma4_assistant_model import Reference, build_assistant, build_target
 
 from vllm import SamplingParams
@@ -34,6 +35,9 @@ HITS = [PROMPTS[7][:64] + PROMPTS[1][:12], PROMPTS[6][:48] + PROMPTS[2][:20]]  #
 PREEMPT = [(PROMPTS[7] * 3)[:16 * (6 + i % 3) - 1] for i in range(8)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=30 - 2 * i, ignore_eos=True) for i in range(8)]
 SHORT = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+N_SAMPLES = 240  # the distribution test's samples (top-k: spec_helpers.K)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,7 @@ def runs(models):
         out["plain"] = generate(llm, PROMPTS, PARAMS)
         out["plain hits"] = generate(llm, HITS, SHORT)
         out["plain preempt"] = generate(llm, PREEMPT, SHORT)
+        out["joint"] = joint_of_two(llm, PROMPTS[1])
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"  # every draft verified (vLLM's behaviour)
     try:
         # Chunked prefill (32-token chunks) in a mixed batch of 8.
@@ -75,6 +80,9 @@ def runs(models):
             out["spec"] = generate(llm, PROMPTS, PARAMS)
             out["counts"] = s.drafted, s.accepted, s.verified_rows
             out["metrics"] = metrics(llm, "vllm:spec_decode")
+            before = sampling_counts(s)
+            out["samples"] = seeded_pairs(llm, PROMPTS[1], N_SAMPLES)
+            out["sample counts"] = tuple(a - b for a, b in zip(sampling_counts(s), before))
             out["spec hits"] = generate(llm, HITS, SHORT)
             out["prefix hits"] = metrics(llm, "vllm:prefix_cache_hits")
         # The masked-logits assistant, preempted requests (a tiny cache), 1 to K drafts a request.
@@ -96,6 +104,10 @@ def test_greedy_with_the_assistant_is_the_plain_output(runs):
     assert runs["spec"] == runs["plain"]
     drafted, accepted, rows = runs["counts"]
     assert accepted > 20 and drafted - accepted > 20, runs["counts"]  # drafts kept and drafts rejected
+
+def test_seeded_random_sampling_keeps_the_target_distribution(runs):
+    assert_keeps_the_distribution(runs["samples"], runs["joint"], runs["sample counts"])
+
 
 
 def test_counts_are_vllms_spec_decode_metrics(runs):

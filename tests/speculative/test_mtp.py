@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
-from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
 from mtp_model import Reference, build_glm_mtp
-from test_engine_speculation import K, top_k_distribution
+from spec_helpers import K, assert_counts_are_vllms_metrics, metrics, record, top_k_distribution
 from test_rejection import chi_square_p
 
 from vllm import SamplingParams
@@ -67,6 +66,15 @@ def options():
             SamplingParams(temperature=0, max_tokens=16, min_tokens=6, ignore_eos=False)]
 
 
+def grammars():
+    """Requests with a grammar draft too: a strict one (most drafts refused by the
+    grammar's mask at their position) and one any text satisfies (drafts kept as without it)."""
+    strict = StructuredOutputsParams(regex=r"[a-z]{3,12}( [a-z]{3,12}){2,5}")
+    loose = StructuredOutputsParams(regex=r"(.|\n)*")
+    return [SamplingParams(temperature=0, max_tokens=16, structured_outputs=g)
+            for g in (strict, loose, strict, loose)]
+
+
 def generate(llm, prompts, params):
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [[(list(c.token_ids), c.finish_reason,
@@ -82,6 +90,7 @@ def runs(models):
         out["plain"] = generate(llm, prompts, params)
         out["stopped"] = out["plain"][3][0][1]
         out["plain", "options"] = generate(llm, [PROMPTS[0]] * 6, options())
+        out["plain", "grammar"] = generate(llm, PROMPTS[:4], grammars())
         first_ids, p1 = top_k_distribution(llm, PROMPTS[1])
         out["joint"] = {(a, b): pa * pb for a, pa in zip(first_ids, p1)
                         for b, pb in zip(*top_k_distribution(llm, PROMPTS[1] + [a]))}
@@ -98,6 +107,9 @@ def runs(models):
             out["counts"] = s.drafted, s.accepted, s.verified_rows
             out["metrics"] = metrics(llm)
             out["spec", "options"] = generate(llm, [PROMPTS[0]] * 6, options())
+            before = s.verified_rows, s.accepted
+            out["spec", "grammar"] = generate(llm, PROMPTS[:4], grammars())
+            out["grammar counts"] = s.verified_rows - before[0], s.accepted - before[1]
             before = s.verified_rows, s.accepted, s.drafted
             samples = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])] * N,
                                    [SamplingParams(temperature=1.0, top_k=K, seed=i, max_tokens=2, ignore_eos=True)
@@ -132,6 +144,12 @@ def test_options_give_their_plain_outputs(runs):
             assert (slp is None) == (plp is None)
             for g, w in zip(slp or [], plp or []):  # (batch shapes differ: float32 rounding)
                 assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
+
+
+def test_requests_with_a_grammar_draft_and_keep_their_plain_output(runs):
+    assert runs["spec", "grammar"] == runs["plain", "grammar"]
+    verified, accepted = runs["grammar counts"]
+    assert verified >= 8 and accepted > 0, runs["grammar counts"]
 
 
 def test_sampled_drafts_are_the_mtp_layers_own_greedy_continuation(runs, models):

@@ -30,7 +30,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from engine_helpers import GOLDEN, engine, runner_of
-from spec_helpers import assert_counts_are_vllms_metrics, metrics, record
+from spec_helpers import (assert_counts_are_vllms_metrics, assert_keeps_the_distribution, joint_of_two, metrics,
+                          record, sampling_counts, seeded_pairs)
 from qwen_mtp_model import Reference, build_draft, build_qwen_mtp, to_hugging_face_layout
 
 from vllm import SamplingParams
@@ -45,6 +46,9 @@ SHARED = GOLDEN[7]["prompt_ids"][:2 * BLOCK]  # a block-aligned prefix every pro
 PROMPTS = [SHARED + g["prompt_ids"][:3 + 6 * i] for i, g in enumerate(GOLDEN[:8])]
 CHUNK = 64  # max_num_batched_tokens: the longest prompts are prefilled in chunks
 COMMON = dict(max_model_len=256, block_size=BLOCK, max_num_batched_tokens=CHUNK, max_num_seqs=8)
+
+
+N_SAMPLES = 240  # the distribution test's samples (top-k: spec_helpers.K)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +186,9 @@ def spec_runs(models, model_dir, params, out) -> None:
         out["resumed"] = runner.batch.num_resumed
         out["async"] = runner.async_scheduling
         out["metrics"] = metrics(llm)
+        before = sampling_counts(s)
+        out["samples"] = seeded_pairs(llm, PROMPTS[1], N_SAMPLES)
+        out["sample counts"] = tuple(a - b for a, b in zip(sampling_counts(s), before))
     # A plain draft model (the target's embedding, final norm and head, its block damped).
     draft = build_draft(models["damped"], Path(models["damped"]).parent / "draft", model_dir)
     with engine(models["damped"], speculative_config={"method": "draft_model", "model": draft,
@@ -207,6 +214,7 @@ def runs(models, model_dir):
     params = [SamplingParams(temperature=0, max_tokens=24 - i, ignore_eos=True) for i in range(8)]
     with engine(models["damped"], **COMMON) as llm:
         out["plain"] = generate(llm, PROMPTS, params)
+        out["joint"] = joint_of_two(llm, PROMPTS[1])
     os.environ["VLLM_METAL_SPEC_BUDGET"] = "0"  # every draft verified (vLLM's behaviour; no timing in the counts)
     try:
         spec_runs(models, model_dir, params, out)
@@ -223,6 +231,10 @@ def test_greedy_with_mtp_is_the_plain_output(runs):
     assert_counts_are_vllms_metrics(runs["counts"], runs["metrics"])
     assert sum(c >= BLOCK for c in runs["spec"][1]) >= 4, runs["spec"][1]  # the shared prefix hit the cache
     assert runs["resumed"] > 0, "the tiny cache should have forced preemptions"
+
+def test_seeded_random_sampling_keeps_the_target_distribution(runs):
+    assert_keeps_the_distribution(runs["samples"], runs["joint"], runs["sample counts"])
+
 
 
 def test_greedy_with_a_draft_model_is_the_plain_output(runs):

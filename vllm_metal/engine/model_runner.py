@@ -188,9 +188,9 @@ class MetalModelRunner:
             self.state_index = AlignedStateIndex(self.block_sizes[self.align_groups[0]])
         # Block 0 is vLLM's null block: allocated, never handed to a request.
         self.kv = kv_specs.allocate(self.vllm_config, config, m, self.layer_name, self.block_sizes)
-        if self.draft is not None:  # the draft model's own cache, addressed by the same block tables
-            self.draft.kv = kv_specs.allocate(self.vllm_config, config, self.draft.model, self.draft.layer_name,
-                                              self.block_sizes)
+        if self.draft is not None:  # the draft's own cache (Gemma 4's assistant: the target's), same block tables
+            self.draft.kv = self.kv if self.draft.reads_target_cache else kv_specs.allocate(
+                self.vllm_config, config, self.draft.model, self.draft.layer_name, self.block_sizes)
         if self.sync_per_layer:
             self.kv.after_layer = lambda *arrays: self._evaluate(*arrays)
         logger.info("vllm-metal KV cache: %d blocks x %s tokens, %d layers, %.2f GiB", config.num_blocks,

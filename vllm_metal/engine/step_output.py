@@ -6,7 +6,7 @@ scheduling."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVConnectorOutput, LogprobsTensors, ModelRunnerOutput
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_metal.engine import prompt_logprobs, step_inputs
 from vllm_metal.engine.persistent_batch import RequestState
@@ -109,10 +108,7 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
     else:
         collect(step, runner.kv.arrays(), runner.vocab_size, runner.model_config.logprobs_mode)
         if step.grammar_output is not None:
-            # One logits row per request here (a verified row's draft positions sit after
-            # all rows, and requests with a grammar never draft): vLLM's layout without drafts.
-            so = replace(step.scheduler_output, scheduled_spec_decode_tokens={})
-            apply_grammar_bitmask(so, step.grammar_output, runner.batch, step.logits)
+            apply_grammar(step, step.grammar_output)
         out = sample(runner.sampler, step.logits, states, step.discard, runner.vocab_size, runner.logitsprocs)
         sampled = out.sampled_token_ids.tolist()
         logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
@@ -147,6 +143,38 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
         prompt_logprobs_dict=step.prompt_logprobs if step.prompt_logprobs is not None else {},
         kv_connector_output=step.kv_connector_output,
     )
+
+
+def apply_grammar(step: PendingStep, grammar: GrammarOutput) -> None:
+    """vLLM's grammar bitmask applied to the step's logits in place. vLLM's
+    bitmask has, per request with a grammar, one row per scheduled draft
+    position then the bonus position's (`mask_stride` rows each; rows after a
+    draft the grammar refuses are unconstrained: that draft is rejected by
+    its own row). Here a request's bonus position is its row of
+    `step.logits` and its draft positions are its rows of `step.target_logits`."""
+    import xgrammar as xgr
+
+    bits = torch.from_numpy(grammar.grammar_bitmask)
+    stride = bits.shape[0] // len(grammar.structured_output_request_ids)
+    row_of = {s.req_id: i for i, s in enumerate(step.states)}
+    verify_of = {v.row: v for v in step.verify}
+    targets: list[tuple[torch.Tensor, list[int], list[int]]] = [(step.logits, [], []), (step.target_logits, [], [])]
+    for n, req_id in enumerate(grammar.structured_output_request_ids):
+        i = row_of.get(req_id)
+        if i is None:
+            continue
+        v = verify_of.get(i)
+        k = len(v.drafts) if v is not None else 0
+        for j in range(k):  # draft position j: the grammar's state after drafts 1 .. j
+            targets[1][1].append(v.target + j)
+            targets[1][2].append(n * stride + j)
+        targets[0][1].append(i)
+        targets[0][2].append(n * stride + k)
+    for logits, rows, masks in targets:
+        if rows:
+            aligned = torch.full((logits.shape[0], bits.shape[1]), -1, dtype=bits.dtype)
+            aligned[rows] = bits[masks]
+            xgr.apply_token_bitmask_inplace(logits, aligned, indices=rows)
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

@@ -84,6 +84,7 @@ class CatchUpGate:
 
 
 class ModelDrafter:
+    reads_target_cache = False  # a cache of its own, allocated beside the target's
     def __init__(self, model: LoadedModel, k: int, max_model_len: int):
         self.model, self.k, self.max_model_len = model, k, max_model_len
         self.kv: PagedKVCache | None = None

@@ -46,8 +46,7 @@ from vllm_metal.speculative.mtp import collect_drafts
 
 class NoCacheOfItsOwn:
     """The runner's view of the assistant's "model": no layer with a cache
-    of its own (kv_specs declares none to vLLM), its weights counted, and as
-    its cache the target's (captured when the runner allocates it)."""
+    of its own (kv_specs declares none to vLLM), its weights counted."""
 
     layer_kv: list = []
     sliding_windows: list = []
@@ -55,18 +54,14 @@ class NoCacheOfItsOwn:
 
     def __init__(self, dtype: mx.Dtype, weights_bytes: int):
         self.dtype, self.weights_bytes = dtype, weights_bytes
-        self.target_cache: PagedKVCache | None = None
 
     def owns(self, layer: int) -> bool:
         return True
 
-    def allocate_kv(self, *args, **kwargs) -> PagedKVCache:
-        if self.target_cache is None:
-            raise RuntimeError("the Gemma 4 assistant reads the target's KV cache, which is not allocated yet")
-        return self.target_cache
-
 
 class AssistantDrafter:
+    reads_target_cache = True  # the runner hands it the target's cache as its `kv`
+
     def __init__(self, layers: list, sources: list[int], target: LoadedModel, weights: dict, config, k: int,
                  max_model_len: int, suppress: list[int], weights_bytes: int):
         text = text_of(config)
@@ -81,7 +76,7 @@ class AssistantDrafter:
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.suppress = mx.array(np.asarray(suppress, np.int32)) if suppress and self.centroids is None else None
         self.model = NoCacheOfItsOwn(self.dtype, weights_bytes)
-        self.kv: PagedKVCache | None = None  # the target's (NoCacheOfItsOwn.allocate_kv)
+        self.kv: PagedKVCache | None = None  # the target's (the runner's initialize_kv_cache)
         self.frontier: mx.array | None = None
         self.frontier_at: dict[int, tuple[int, int]] = {}
         self.passes = 0  # passes run (instrumentation)
@@ -280,12 +275,4 @@ def load_assistant(target: LoadedModel, spec_config, dtype: str) -> AssistantDra
     suppress = json.loads(generation.read_text()).get("suppress_tokens") or [] if generation.exists() else []
     drafter = AssistantDrafter(layers, sources, target, weights, config, spec_config.num_speculative_tokens,
                                spec_config.target_model_config.max_model_len, suppress, size)
-    allocate = target.allocate_kv
-
-    def allocate_and_share(*args, **kwargs) -> PagedKVCache:
-        # The runner allocates the target's cache, then the drafter's: the drafter's is the target's.
-        cache = drafter.model.target_cache = allocate(*args, **kwargs)
-        return cache
-
-    target.allocate_kv = allocate_and_share
     return drafter

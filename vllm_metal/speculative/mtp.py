@@ -113,6 +113,7 @@ def collect_drafts(drafts: list[list[int]], passes, drafting: np.ndarray) -> lis
 
 
 class MtpDrafter:
+    reads_target_cache = False  # a cache of its own, allocated beside the target's
     # The embedding of a pair at position 0 zeroed (GLM's and DeepSeek's layers; not Qwen's).
     zero_first = True
 

@@ -10,7 +10,8 @@ step); after the step the engine asks `take_draft_token_ids` for the drafts
 of the next one. A request drafts only when vLLM's rejection sampler would
 apply nothing beyond temperature, top-k and top-p to its verify positions
 (no penalties, bad words, allowed ids, logit bias, min-p, pending
-min_tokens, logprobs or grammar; no custom logits processor on the server):
+min_tokens or logprobs; no custom logits processor on the server; a
+grammar's bitmask masks every draft position, engine/step_output.py):
 the others decode one token a step, so every request's output is the one
 it gets without speculation (greedy: token for token; random: the same
 distribution). Of a request's proposed drafts only those the budget
@@ -56,7 +57,7 @@ def may_draft(state) -> bool:
                                                   SamplingType.RANDOM_SEED)
             and p.logprobs is None and p.frequency_penalty == 0 and p.presence_penalty == 0
             and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and not p.allowed_token_ids
-            and not p.logit_bias and not p.min_p and p.structured_outputs is None
+            and not p.logit_bias and not p.min_p
             and (not p.min_tokens or len(state.output_token_ids) >= p.min_tokens))
 
 
