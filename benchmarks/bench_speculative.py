@@ -117,6 +117,12 @@ def method_config(method: str, draft: str | None) -> dict:
     raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
 
 
+def plain_of(system: str) -> str:
+    """The system a speculative one is compared with: PLAIN's, else vllm-metal for any vllm-metal drafter
+    (a --method system, registered only when that run is made: summaries.py renders its JSON later)."""
+    return PLAIN.get(system) or ("vllm-metal" if system.startswith("vllm-metal-") else "")
+
+
 def register_method_system(method: str, draft: str | None) -> tuple[str, dict]:
     """(system name, speculative config): vllm-metal with `method`'s drafter."""
     if method == "mtp":
@@ -197,7 +203,7 @@ def render(runs: list[dict], meta: dict) -> str:
             lines.append(f"| {r['dataset']} | {r['concurrency']} | {r['label']} | failed: {r['error'][:80]} |"
                          " | | | | | |")
             continue
-        plain = by.get((r["dataset"], PLAIN.get(r["system"], ""), r["concurrency"]))
+        plain = by.get((r["dataset"], plain_of(r["system"]), r["concurrency"]))
         ratio = f"{r['output_tok_s'] / plain['output_tok_s']:.2f}x" if plain and "error" not in plain else "-"
         acc, per_step = acceptance(r)
         lines.append(f"| {r['dataset']} | {r['concurrency']} | {r['label']} | {r['output_tok_s']:.1f} | {ratio} | "
