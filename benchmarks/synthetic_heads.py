@@ -125,22 +125,30 @@ def build_qwen3_5(out: Path, tokenizer_dir: str, text: dict = QWEN3_5_TEXT, seed
     wrap = lambda t: {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"],  # noqa: E731
                       "torch_dtype": "float32", "tie_word_embeddings": False, "text_config": t}
     weights = random_weights(wrap(big), seed, damp)
-    root, index = "language_model.model.layers.", layers + interval - 1
-    mtp = f"{root}{index}."
-    kept = {}
+    kept = qwen_mtp_layout(weights, "language_model.model.layers.", layers, layers + interval - 1,
+                           text["hidden_size"], np.random.default_rng(seed + 1), spread, mix, noise)
+    _save(out, kept, wrap({**text, "mtp_num_hidden_layers": 1}), tokenizer_dir)
+    return str(out)
+
+
+def qwen_mtp_layout(weights: dict, root: str, layers: int, index: int, hidden: int, rng, spread: float,
+                    mix: float, noise: float) -> dict:
+    """A model's weights with layers past `layers` dropped and layer `index` (under `root`) kept as
+    Qwen's `mtp.layers.0`, with the MTP norms (weights 1 + spread x noise) and an `mtp.fc` that passes
+    the next token's embedding through and mixes in `mix` of the hidden state (drawn from `rng`)."""
+    import mlx.core as mx
+
+    mtp, kept = f"{root}{index}.", {}
     for name, w in weights.items():
         if name.startswith(mtp):
             kept["mtp.layers.0." + name[len(mtp):]] = w
         elif not (name.startswith(root) and int(name[len(root):].split(".")[0]) >= layers):
             kept[name] = w
-    rng = np.random.default_rng(seed + 1)
-    hidden = text["hidden_size"]
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         kept[f"mtp.{norm}.weight"] = mx.array((1 + spread * rng.standard_normal(hidden)).astype(np.float32))
     fc = np.concatenate([np.eye(hidden), mix * rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)], axis=1)
     kept["mtp.fc.weight"] = mx.array((fc + noise * rng.standard_normal(fc.shape)).astype(np.float32))
-    _save(out, kept, wrap({**text, "mtp_num_hidden_layers": 1}), tokenizer_dir)
-    return str(out)
+    return kept
 
 
 def build_gemma4(out: Path, tokenizer_dir: str, config: dict = GEMMA4, seed: int = 0, damp: float = 0.1,

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from families import TOKENIZER_FILES, config_of
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import synthetic_heads  # noqa: E402
 
 
 
@@ -51,7 +55,7 @@ def build_qwen_mtp(out: Path, tokenizer_dir: str, seed: int = 3, damp: float = 0
     text["num_hidden_layers"] = 2 * layers
     index = max(i for i in range(layers, 2 * layers) if (i + 1) % text["full_attention_interval"] == 0)
     root = "language_model.model.layers." if text is not config else "model.layers."
-    mtp = f"{root}{index}."  # a full-attention layer past the target's: the MTP layer
+    # layer `index`, a full-attention layer past the target's, becomes the MTP layer
     if "mlp_only_layers" in text:  # qwen3_next: the MTP layer (layer 0 of its own) dense, as the family's layer 0
         text["mlp_only_layers"] = [*text["mlp_only_layers"], index]
     config["tie_word_embeddings"] = text["tie_word_embeddings"] = tied
@@ -69,17 +73,8 @@ def build_qwen_mtp(out: Path, tokenizer_dir: str, seed: int = 3, damp: float = 0
             weights[name] = mx.array(w.astype(np.float32))
         else:
             weights[name] = value + mx.array(0.05 * rng.standard_normal(value.shape).astype(np.float32))
-    out_weights = {}
-    for name, w in weights.items():
-        if name.startswith(mtp):
-            out_weights["mtp.layers.0." + name[len(mtp):]] = w
-        elif not (name.startswith(root) and int(name[len(root):].split(".")[0]) >= layers):
-            out_weights[name] = w
-    hidden = text["hidden_size"]
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        out_weights[f"mtp.{norm}.weight"] = mx.array((1 + spread * rng.standard_normal(hidden)).astype(np.float32))
-    fc = np.concatenate([np.eye(hidden), mix * rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)], axis=1)
-    out_weights["mtp.fc.weight"] = mx.array((fc + noise * rng.standard_normal(fc.shape)).astype(np.float32))
+    out_weights = synthetic_heads.qwen_mtp_layout(weights, root, layers, index, text["hidden_size"], rng, spread,
+                                                  mix, noise)
     if experts_one_by_one:
         for key in [k for k in out_weights if k.startswith("mtp.") and ".switch_mlp." in k]:
             stack = out_weights.pop(key)

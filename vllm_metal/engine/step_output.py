@@ -146,35 +146,33 @@ def sample_step(runner: MetalModelRunner, step: PendingStep) -> ModelRunnerOutpu
 
 
 def apply_grammar(step: PendingStep, grammar: GrammarOutput) -> None:
-    """vLLM's grammar bitmask applied to the step's logits in place. vLLM's
-    bitmask has, per request with a grammar, one row per scheduled draft
-    position then the bonus position's (`mask_stride` rows each; rows after a
-    draft the grammar refuses are unconstrained: that draft is rejected by
-    its own row). Here a request's bonus position is its row of
-    `step.logits` and its draft positions are its rows of `step.target_logits`."""
+    """vLLM's grammar bitmask applied to the step's logits in place. Per
+    request with a grammar it has `stride` rows: one per scheduled draft
+    position, then the position after them (rows past a draft the grammar
+    refuses do not matter: that draft is rejected by its own row). Here a
+    request's draft positions are its rows of `step.target_logits`, the
+    position after its drafts its row of `step.logits`."""
     import xgrammar as xgr
 
     bits = torch.from_numpy(grammar.grammar_bitmask)
     stride = bits.shape[0] // len(grammar.structured_output_request_ids)
     row_of = {s.req_id: i for i, s in enumerate(step.states)}
     verify_of = {v.row: v for v in step.verify}
-    targets: list[tuple[torch.Tensor, list[int], list[int]]] = [(step.logits, [], []), (step.target_logits, [], [])]
+    rows, draft_rows = {}, {}  # logits row -> bitmask row, for step.logits and step.target_logits
     for n, req_id in enumerate(grammar.structured_output_request_ids):
         i = row_of.get(req_id)
         if i is None:
             continue
         v = verify_of.get(i)
-        k = len(v.drafts) if v is not None else 0
-        for j in range(k):  # draft position j: the grammar's state after drafts 1 .. j
-            targets[1][1].append(v.target + j)
-            targets[1][2].append(n * stride + j)
-        targets[0][1].append(i)
-        targets[0][2].append(n * stride + k)
-    for logits, rows, masks in targets:
-        if rows:
+        drafts = len(v.drafts) if v is not None else 0
+        for j in range(drafts):  # draft position j: the grammar's state after drafts 1 .. j
+            draft_rows[v.target + j] = n * stride + j
+        rows[i] = n * stride + drafts
+    for logits, picked in ((step.logits, rows), (step.target_logits, draft_rows)):
+        if picked:
             aligned = torch.full((logits.shape[0], bits.shape[1]), -1, dtype=bits.dtype)
-            aligned[rows] = bits[masks]
-            xgr.apply_token_bitmask_inplace(logits, aligned, indices=rows)
+            aligned[list(picked)] = bits[list(picked.values())]
+            xgr.apply_token_bitmask_inplace(logits, aligned, indices=list(picked))
 
 
 class AsyncStepOutput(AsyncModelRunnerOutput):

@@ -51,8 +51,8 @@ class Substituted:
 def substitute(so: SchedulerOutput, states, drafts: dict[str, list[int]], max_model_len: int,
                newest: int) -> Substituted:
     """`so` with every placeholder row's drafts and token count set from
-    `drafts` (req_id -> the proposal made after its last step; consumed),
-    and those requests' num_computed_tokens set to their real position."""
+    `drafts` (req_id -> the proposal made after its last step), and those
+    requests' num_computed_tokens set to their real position."""
     spec = so.scheduled_spec_decode_tokens
     if not spec:
         return Substituted(so)
@@ -61,7 +61,7 @@ def substitute(so: SchedulerOutput, states, drafts: dict[str, list[int]], max_mo
         placeholders = spec.get(state.req_id)
         if not placeholders or any(d >= 0 for d in placeholders):
             continue
-        real = list(drafts.pop(state.req_id, ()))[:len(placeholders)]
+        real = list(drafts.get(state.req_id, ()))[:len(placeholders)]
         # Every known token but the newest is in the cache (the step before finished).
         state.num_computed_tokens = state.num_tokens - 1
         scheduled[state.req_id] = 1 + len(real)

@@ -87,7 +87,6 @@ class Speculator:
             if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
         self._drafts: DraftTokenIds | None = None
-        self._next: dict[str, list[int]] = {}  # req_id -> its drafts for the next step (async scheduling)
         # Instrumentation (tests, benchmarks): drafts verified, accepted, rows verified.
         self.drafted = 0
         self.accepted = 0
@@ -162,7 +161,8 @@ class Speculator:
         if self.model is not None:
             self.model.restart([*(so.preempted_req_ids or ()), *so.scheduled_cached_reqs.resumed_req_ids])
         if self.async_scheduling:
-            filled = async_drafts.substitute(so, states, self._next, self.max_model_len, self.k + 1)
+            proposed = dict(zip(self._drafts.req_ids, self._drafts.draft_token_ids)) if self._drafts else {}
+            filled = async_drafts.substitute(so, states, proposed, self.max_model_len, self.k + 1)
             so = filled.so
             self.count_padding(filled.padded_rows, filled.padded_drafts)
         spec = so.scheduled_spec_decode_tokens
@@ -212,7 +212,6 @@ class Speculator:
         self._step = None
         drafts = [proposals.get(s.req_id, [])[:keep.get(s.req_id, 0)] for s in states]
         self._drafts = DraftTokenIds([s.req_id for s in states], drafts)
-        self._next = {s.req_id: d for s, d in zip(states, drafts)}
 
     def take(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
