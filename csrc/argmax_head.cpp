@@ -75,8 +75,8 @@ std::pair<mx::array, mx::array> argmax_head_screen(const mx::array& weight) {
           mx::array(table.begin(), {static_cast<int>(table.size())}, mx::float32)};
 }
 
-bool argmax_head_screen_available() {
-  return cpu::argmax_screen_available();
+std::string argmax_head_screen_build() {
+  return cpu::argmax_screen_build();
 }
 
 std::vector<int64_t> argmax_head_screen_counters() {

@@ -20,6 +20,7 @@
 #include "mlx/utils.h"
 
 #include <optional>
+#include <string>
 #include <vector>
 #include <utility>
 
@@ -40,9 +41,9 @@ mx::array argmax_head(const mx::array& hidden, const mx::array& weight, const st
 // why a weight cannot be screened.
 std::pair<mx::array, mx::array> argmax_head_screen(const mx::array& weight);
 
-// Whether this CPU runs the screened kernel (AVX-512 BF16, kernels not capped
-// below AVX-512).
-bool argmax_head_screen_available();
+// The screened kernel's build this CPU runs: "avx512bf16", "avx2", or ""
+// (none: the kernels capped to their generic build, or not x86-64).
+std::string argmax_head_screen_build();
 
 // The screened kernel's process-wide counts: {calls, rows, exact (candidate
 // logits computed), declined (calls sent to the exact kernel)}.

@@ -88,9 +88,9 @@ NB_MODULE(_ext, m) {
       "The bfloat16 screen of a float32 head for argmax_head (see vllm_metal.native.ops.argmax_head_screen).");
 
   m.def(
-      "argmax_head_screen_available",
-      &vllm_metal::argmax_head_screen_available,
-      "Whether this CPU runs argmax_head's screened kernel (AVX-512 BF16).");
+      "argmax_head_screen_build",
+      &vllm_metal::argmax_head_screen_build,
+      "The build of argmax_head's screened kernel this CPU runs: 'avx512bf16', 'avx2' or '' (none).");
 
   m.def(
       "argmax_head_screen_counters",

@@ -1,9 +1,10 @@
 // The screened greedy head's bfloat16 weight and per-token bound factors
-// (argmax_head_screen.h), built once per head; and whether this CPU runs the
-// screened kernel. Host code, compiled once.
+// (argmax_head_screen.h), built once per head; whether this CPU runs the
+// screened kernel, and which build; its counters. Host code, compiled once.
 #include "cpu/argmax_head_screen.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <sstream>
 
@@ -56,7 +57,9 @@ std::string build_argmax_screen(const float* weight, int64_t vocab, int64_t dim,
   return {};
 }
 
-bool argmax_screen_available() {
+namespace {
+
+bool bf16_build() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const bool ok = [] {
     __builtin_cpu_init();
@@ -68,13 +71,35 @@ bool argmax_screen_available() {
 #endif
 }
 
-#if !(defined(__x86_64__) || defined(_M_X64))
-bool argmax_head_screened(const ArgmaxScreenArgs&) {
+std::atomic<int64_t> g_calls{0}, g_rows{0}, g_exact{0}, g_declined{0};
+
+} // namespace
+
+bool argmax_screen_available() {
+  return bf16_build() || best_isa() == Isa::avx2;
+}
+
+const char* argmax_screen_build() {
+  return bf16_build() ? "avx512bf16" : best_isa() == Isa::avx2 ? "avx2" : "";
+}
+
+bool argmax_head_screened(const ArgmaxScreenArgs& args) {
+#if defined(__x86_64__) || defined(_M_X64)
+  return bf16_build() ? argmax_head_screened_avx512bf16(args) : argmax_head_screened_avx2(args);
+#else
   return false;  // never called: argmax_screen_available() is false off x86-64
-}
-ScreenCounters argmax_screen_counters() {
-  return {0, 0, 0, 0};
-}
 #endif
+}
+
+ScreenCounters argmax_screen_counters() {
+  return {g_calls.load(), g_rows.load(), g_exact.load(), g_declined.load()};
+}
+
+void count_screen_work(const ScreenCounters& add) {
+  g_calls.fetch_add(add.calls, std::memory_order_relaxed);
+  g_rows.fetch_add(add.rows, std::memory_order_relaxed);
+  g_exact.fetch_add(add.exact, std::memory_order_relaxed);
+  g_declined.fetch_add(add.declined, std::memory_order_relaxed);
+}
 
 } // namespace vllm_metal::cpu

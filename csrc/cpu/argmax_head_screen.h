@@ -24,8 +24,9 @@
 // channels 8-20x their RMS; on SmolLM2's head every token stayed a
 // candidate. The bfloat16 bound is relative: ~2 candidates a row there.)
 //
-// Used only where the host has AVX-512 BF16 and the kernels run their
-// AVX-512 build; rows outside the screen's range (a non-finite value, or
+// Two builds of one kernel: AVX-512 BF16 (where the host has it and the
+// kernels run their AVX-512 build) and AVX2 (where the kernels run their
+// AVX2 build: an AVX2-only host, or VLLM_METAL_CPU_ISA=avx2); rows outside the screen's range (a non-finite value, or
 // max|h| outside [2^-40, 2^40]) send the call to the exact kernel.
 #pragma once
 
@@ -75,9 +76,12 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-// Whether this CPU runs the screened kernel: x86-64 with AVX-512 BF16, and
-// the kernels not capped below their AVX-512 build (VLLM_METAL_CPU_ISA).
+// Whether this CPU runs the screened kernel: x86-64 whose kernels run their
+// AVX-512 build with AVX-512 BF16, or their AVX2 build (an AVX-512 host
+// without BF16 keeps the exact kernel: its AVX-512 FMAs against the AVX2
+// screen's, not measured).
 bool argmax_screen_available();
+const char* argmax_screen_build();  // "avx512bf16", "avx2" or "" (unavailable)
 
 struct ArgmaxScreenArgs {
   const float* hidden;  // [rows, dim]
@@ -92,8 +96,12 @@ struct ArgmaxScreenArgs {
 
 // The tokens into out; false (out untouched) when a hidden row is outside
 // the screen's range: the caller runs the exact kernel. Only where
-// argmax_screen_available().
+// argmax_screen_available(): the build for this CPU.
 bool argmax_head_screened(const ArgmaxScreenArgs& args);
+#if defined(__x86_64__) || defined(_M_X64)
+bool argmax_head_screened_avx512bf16(const ArgmaxScreenArgs& args);
+bool argmax_head_screened_avx2(const ArgmaxScreenArgs& args);
+#endif
 
 // Process-wide counts of the screened kernel's work: calls, rows screened,
 // exact logits computed for them (the candidates), and calls declined
@@ -102,5 +110,6 @@ struct ScreenCounters {
   int64_t calls, rows, exact, declined;
 };
 ScreenCounters argmax_screen_counters();
+void count_screen_work(const ScreenCounters& add);  // the kernels' share
 
 } // namespace vllm_metal::cpu

@@ -1,19 +1,23 @@
-// The screened greedy head's kernel (argmax_head_screen.h), AVX-512 BF16:
-// one build, called only where the CPU has it.
+// The screened greedy head's kernel (argmax_head_screen.h), one source
+// compiled twice: an AVX-512 BF16 build (VDPBF16PS: two bfloat16 products a
+// lane, a tile of 16 tokens one vector) and an AVX2 build (each tile's
+// bfloat16 pairs widened to float32 by a shift and a mask, two FMAs a pair,
+// a tile two vectors). Both read the same bfloat16 bytes and sum the same
+// products in k order, within the same bound.
 //
 // Per call the hidden rows are rounded to bfloat16 and their norms taken,
 // then the vocabulary is split into tasks of 1,024 tokens over the kernels'
 // thread pool. A task walks its tokens in chunks of 256: for a block of R
-// hidden rows and T tiles of 16 tokens, R x T accumulators take one VDPBF16PS
-// per (row, tile) for every two k (the row's pair broadcast, the tile's 64
-// bytes loaded), then each lane's screen value x and bound E = |h_r|_2 e_t +
-// 2^-50 give x + E, kept for the chunk, and x - E, folded into the row's
-// running maximum (its threshold). At the chunk's end, the tokens whose x + E
-// reach the threshold join the row's candidates (at most kCap a task and row;
-// past that the task's tokens all are, for that row). At the end every row's
-// threshold is the largest over the tasks, and its candidates that still
-// reach it get their float32 logit computed as the ArgmaxHead kernel does:
-// fma in k order from 0.
+// hidden rows and T tiles of 16 tokens, R x T accumulators take the products
+// of every two k (the row's pair broadcast, the tile's 64 bytes loaded), then
+// each lane's screen value x and bound E = |h_r|_2 e_t + 2^-50 give x + E,
+// kept for the chunk, and x - E, folded into the row's running maximum (its
+// threshold). At the chunk's end, the tokens whose x + E reach the threshold
+// join the row's candidates (at most kCap a task and row; past that the
+// task's tokens all are, for that row). At the end every row's threshold is
+// the largest over the tasks, and its candidates that still reach it get
+// their float32 logit computed as the ArgmaxHead kernel does: fma in k order
+// from 0.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,8 +37,25 @@ namespace {
 constexpr int64_t kChunkTiles = 16;  // 256 tokens a chunk
 constexpr int64_t kTaskChunks = 4;  // 1,024 tokens a task
 constexpr int64_t kCap = 32;  // candidates kept per task and row
-constexpr int kMaxRows = 8;  // rows a block: 4 tiles x up to 4 rows or 2 tiles x 5-8 (<= 16 accumulators; 12 rows x 2 measured level)
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+#ifndef VLLM_METAL_KERNEL_ENTRY
+#error "compile with -DVLLM_METAL_KERNEL_ENTRY=<entry point name>"
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int kMaxRows = 8;  // rows a block: 4 tiles x up to 4 rows or 2 tiles x 5-8 (<= 16 accumulators; 12 rows x 2 measured level)
+using Low = __m512;  // a row's running largest x - E, lane by lane
+inline Low low_init() {
+  return _mm512_set1_ps(-kInf);
+}
+inline float low_max(Low v) {
+  return _mm512_reduce_max_ps(v);
+}
+// The lanes of a tile's x + E (u[0..16)) that reach thr, as bits.
+inline uint32_t reach_mask(const float* u, float thr) {
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(u), _mm512_set1_ps(thr), _CMP_GE_OQ);
+}
 
 // acc += two bfloat16 products a lane. In place through asm: with the
 // builtin, GCC copied every accumulator twice an iteration (register moves
@@ -43,6 +64,27 @@ inline __m512 dpbf16(__m512 acc, __m512i w, __m512i h) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(h));
   return acc;
 }
+#else
+constexpr int kMaxRows = 4;  // rows a block: 2 x 4 accumulators, 4 widened weights, 2 broadcasts (16 registers)
+struct Low {
+  __m256 a, b;  // a tile's lanes 0-7 and 8-15
+};
+inline Low low_init() {
+  return {_mm256_set1_ps(-kInf), _mm256_set1_ps(-kInf)};
+}
+inline float low_max(Low v) {
+  const __m256 m = _mm256_max_ps(v.a, v.b);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+inline uint32_t reach_mask(const float* u, float thr) {
+  const __m256 t = _mm256_set1_ps(thr);
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(u), t, _CMP_GE_OQ))) |
+      (static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(u + 8), t, _CMP_GE_OQ))) << 8);
+}
+#endif
 
 struct Rounded {
   std::vector<uint32_t> h;  // [pairs][rows]: two bfloat16 a uint32 (k even low)
@@ -92,8 +134,9 @@ struct Shared {
 
 // R rows from r0 against T tiles from tile0 (token offset `col` in the
 // chunk): x + E into up[r][col..], x - E into lowmax[r].
+#if defined(__AVX512BF16__)
 template <int T, int R>
-inline void block(const Shared& s, int64_t tile0, int64_t r0, float* up, int64_t col, __m512* lowmax) {
+inline void block(const Shared& s, int64_t tile0, int64_t r0, float* up, int64_t col, Low* lowmax) {
   const int64_t pairs = s.pairs, rows = s.a.rows;
   const uint16_t* w = s.a.wb + tile0 * pairs * kScreenTile * kScreenPair;
   const uint32_t* h = s.hr.h.data() + r0;
@@ -133,11 +176,74 @@ inline void block(const Shared& s, int64_t tile0, int64_t r0, float* up, int64_t
     }
   }
 }
+#else
+// A tile's 16 uint32 hold (w[t][2j], w[t][2j + 1]) as bfloat16 (even k low):
+// as float32, the low half shifted up and the high half masked.
+template <int T, int R>
+inline void block(const Shared& s, int64_t tile0, int64_t r0, float* up, int64_t col, Low* lowmax) {
+  const int64_t pairs = s.pairs, rows = s.a.rows;
+  const uint16_t* w = s.a.wb + tile0 * pairs * kScreenTile * kScreenPair;
+  const uint32_t* h = s.hr.h.data() + r0;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m256 acc[T][2][R];
+  for (int t = 0; t < T; ++t) {
+    for (int r = 0; r < R; ++r) {
+      acc[t][0][r] = acc[t][1][r] = _mm256_setzero_ps();
+    }
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m256 we[T][2], wo[T][2];
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* wt = w + (t * pairs + j) * kScreenTile * kScreenPair;
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + half * kScreenTile));
+        we[t][half] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[t][half] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint32_t p = h[j * rows + r];
+      const __m256 he = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(p << 16)));
+      const __m256 ho = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(p & 0xFFFF0000u)));
+      for (int t = 0; t < T; ++t) {
+        for (int half = 0; half < 2; ++half) {
+          acc[t][half][r] = _mm256_fmadd_ps(wo[t][half], ho, _mm256_fmadd_ps(we[t][half], he, acc[t][half][r]));
+        }
+      }
+    }
+  }
+  const __m256 eabs = _mm256_set1_ps(std::ldexp(1.0f, -50)), ninf = _mm256_set1_ps(-kInf);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int t = 0; t < T; ++t) {
+    const int64_t tok = (tile0 + t) * kScreenTile;
+    const int64_t valid = std::min<int64_t>(kScreenTile, s.a.vocab - tok);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 ev = _mm256_loadu_ps(s.a.table + tok + half * 8);
+      // Lanes past the vocabulary (the last tile only) are never candidates.
+      const __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(valid - half * 8)), _CMP_LT_OQ);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m256 x = acc[t][half][r];
+        const __m256 e = _mm256_fmadd_ps(ev, _mm256_set1_ps(s.hr.norm[row]), eabs);
+        const __m256 u = _mm256_blendv_ps(ninf, _mm256_add_ps(x, e), live);
+        const __m256 l = _mm256_blendv_ps(ninf, _mm256_sub_ps(x, e), live);
+        _mm256_storeu_ps(up + row * (kChunkTiles * kScreenTile) + col + t * kScreenTile + half * 8, u);
+        __m256& m = half ? lowmax[row].b : lowmax[row].a;
+        m = _mm256_max_ps(m, l);
+      }
+    }
+  }
+}
+#endif
 
 // Rows [r0, r0 + R) over the chunk's tiles [c0, c1).
 template <int R>
-void rows_over_chunk(const Shared& s, int64_t c0, int64_t c1, int64_t r0, float* up, __m512* lowmax) {
+void rows_over_chunk(const Shared& s, int64_t c0, int64_t c1, int64_t r0, float* up, Low* lowmax) {
+#if defined(__AVX512BF16__)
   constexpr int T = R <= 4 ? 4 : 2;
+#else
+  constexpr int T = R == 1 ? 2 : 1;
+#endif
   int64_t tl = c0;
   for (; tl + T <= c1; tl += T) {
     block<T, R>(s, tl, r0, up, (tl - c0) * kScreenTile, lowmax);
@@ -147,7 +253,7 @@ void rows_over_chunk(const Shared& s, int64_t c0, int64_t c1, int64_t r0, float*
   }
 }
 
-void rows_over_chunk_n(const Shared& s, int n, int64_t c0, int64_t c1, int64_t r0, float* up, __m512* lowmax) {
+void rows_over_chunk_n(const Shared& s, int n, int64_t c0, int64_t c1, int64_t r0, float* up, Low* lowmax) {
   switch (n) {
 #define VLLM_METAL_SCREEN_ROWS(R) \
   case R:                         \
@@ -156,22 +262,17 @@ void rows_over_chunk_n(const Shared& s, int n, int64_t c0, int64_t c1, int64_t r
     VLLM_METAL_SCREEN_ROWS(1)
     VLLM_METAL_SCREEN_ROWS(2)
     VLLM_METAL_SCREEN_ROWS(3)
+#if defined(__AVX512BF16__)
     VLLM_METAL_SCREEN_ROWS(4)
     VLLM_METAL_SCREEN_ROWS(5)
     VLLM_METAL_SCREEN_ROWS(6)
     VLLM_METAL_SCREEN_ROWS(7)
-
-
-
+#endif
     default:
       rows_over_chunk<kMaxRows>(s, c0, c1, r0, up, lowmax);
       break;
 #undef VLLM_METAL_SCREEN_ROWS
   }
-}
-
-float hmax(__m512 v) {
-  return _mm512_reduce_max_ps(v);
 }
 
 // Tiles [t0, t1) of the vocabulary: the task's thresholds and candidates.
@@ -183,9 +284,9 @@ void run_task(const Shared& s, int64_t t0, int64_t t1, Task& task) {
   task.upper.resize(static_cast<size_t>(rows * kCap));
   constexpr int64_t kChunkTokens = kChunkTiles * kScreenTile;
   std::unique_ptr<float[]> up(new float[static_cast<size_t>(rows * kChunkTokens)]);
-  std::unique_ptr<__m512[]> lowmax(new __m512[static_cast<size_t>(rows)]);
+  std::unique_ptr<Low[]> lowmax(new Low[static_cast<size_t>(rows)]);
   for (int64_t r = 0; r < rows; ++r) {
-    lowmax[r] = _mm512_set1_ps(-kInf);
+    lowmax[r] = low_init();
   }
   for (int64_t c0 = t0; c0 < t1; c0 += kChunkTiles) {
     const int64_t c1 = std::min(t1, c0 + kChunkTiles);
@@ -195,12 +296,10 @@ void run_task(const Shared& s, int64_t t0, int64_t t1, Task& task) {
     }
     const int64_t n = (c1 - c0) * kScreenTile;
     for (int64_t r = 0; r < rows; ++r) {
-      const float thr = task.thr[r] = std::max(task.thr[r], hmax(lowmax[r]));
-      const __m512 tv = _mm512_set1_ps(thr);
+      const float thr = task.thr[r] = std::max(task.thr[r], low_max(lowmax[r]));
       const float* u = up.get() + r * kChunkTokens;
       for (int64_t i = 0; i < n; i += kScreenTile) {
-        const __m512 uv = _mm512_loadu_ps(u + i);
-        uint32_t m = _mm512_cmp_ps_mask(uv, tv, _CMP_GE_OQ);
+        uint32_t m = reach_mask(u + i, thr);
         while (m) {
           const int lane = __builtin_ctz(m);
           m &= m - 1;
@@ -287,22 +386,16 @@ int32_t pick(const ArgmaxScreenArgs& a, const std::vector<Task>& tasks, int64_t 
   return best;
 }
 
-std::atomic<int64_t> g_calls{0}, g_rows{0}, g_exact{0}, g_declined{0};
-
 } // namespace
 
-ScreenCounters argmax_screen_counters() {
-  return {g_calls.load(), g_rows.load(), g_exact.load(), g_declined.load()};
-}
-
-bool argmax_head_screened(const ArgmaxScreenArgs& a) {
+bool VLLM_METAL_KERNEL_ENTRY(const ArgmaxScreenArgs& a) {
   if (a.rows == 0) {
     return true;
   }
   Rounded hr;
   const int64_t pairs = screen_pairs(a.dim), tiles = screen_tiles(a.vocab);
   if (!round_rows(a, pairs, hr)) {
-    g_declined.fetch_add(1, std::memory_order_relaxed);
+    count_screen_work({0, 0, 0, 1});
     return false;
   }
   const Shared s{a, hr, pairs};
@@ -322,9 +415,7 @@ bool argmax_head_screened(const ArgmaxScreenArgs& a) {
     }
     exact.fetch_add(n, std::memory_order_relaxed);
   });
-  g_calls.fetch_add(1, std::memory_order_relaxed);
-  g_rows.fetch_add(a.rows, std::memory_order_relaxed);
-  g_exact.fetch_add(exact.load(), std::memory_order_relaxed);
+  count_screen_work({1, a.rows, exact.load(), 0});
   return true;
 }
 

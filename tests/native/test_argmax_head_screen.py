@@ -1,8 +1,9 @@
 """ops.argmax_head with the head's bfloat16 screen (ops.argmax_head_screen):
 the same tokens as the exact ArgmaxHead kernel, row for row and tie for tie,
 with exact float32 logits computed only for the tokens the screen cannot rule
-out. The kernel runs where the CPU has AVX-512 BF16; elsewhere the screen is
-never built (tested here too)."""
+out. The kernel has an AVX-512 BF16 build and an AVX2 one (both tested on
+a host with AVX-512 BF16: the AVX2 one under VLLM_METAL_CPU_ISA=avx2); with
+neither the screen is never built (tested here too)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from vllm_metal.native import greedy_head, ops
 
 needs_screen = pytest.mark.skipif(not greedy_head.screen_available(),
-                                  reason="the screened kernel needs AVX-512 BF16 (this CPU lacks it)")
+                                  reason="the screened kernel needs AVX2 or AVX-512 BF16 (this CPU has neither)")
 
 
 def exact(h: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -27,10 +28,13 @@ def exact(h: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def screened(h: np.ndarray, w: np.ndarray, screen=None) -> tuple[np.ndarray, dict]:
+    """The screened kernel's tokens for any row count (the primitive itself: ops.argmax_head
+    leaves rows past the screen's max_rows to the exact kernel: test_the_avx2_build_under_the_avx2_cap)."""
     screen = screen or ops.argmax_head_screen(mx.array(w))
     assert screen is not None
     before = greedy_head.screen_counters()
-    got = np.array(ops.argmax_head(mx.array(h), mx.array(w), screen=screen))
+    got = np.array(ops._ext.argmax_head(mx.array(h), mx.array(w), screen_weight=screen.weight,
+                                        screen_table=screen.table, stream=mx.cpu))
     after = greedy_head.screen_counters()
     return got, {k: after[k] - before[k] for k in after}
 
@@ -172,12 +176,49 @@ def test_the_switch(monkeypatch, rng):
         ops.argmax_head_screen(w)
 
 
-def test_not_built_under_an_isa_cap_below_avx512():
-    """VLLM_METAL_CPU_ISA=avx2 (how an AVX-512 host profiles an AVX2-only
-    one): the screened kernel is off, as on a CPU without AVX-512 BF16."""
+def test_not_built_under_the_generic_cap():
+    """VLLM_METAL_CPU_ISA=generic: no screened kernel, the screen is never built."""
     code = ("import vllm_metal.native.ops as o, mlx.core as mx; "
             "print(o.argmax_head_screen(mx.ones((4, 4))) is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "VLLM_METAL_CPU_ISA": "avx2"})
+                         env={**os.environ, "VLLM_METAL_CPU_ISA": "generic"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+AVX2_BUILD = """
+import numpy as np, mlx.core as mx
+from vllm_metal.native import greedy_head, ops
+rng = np.random.default_rng(5)
+bad = 0
+for rows, dim, vocab in [(1, 3, 17), (2, 33, 1000), (3, 64, 4097), (4, 576, 3001), (5, 96, 2500), (9, 40, 999),
+                         (1, 576, 49152)]:
+    w = rng.standard_normal((vocab, dim)).astype(np.float32)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    screen = ops.argmax_head_screen(mx.array(w))
+    got = np.array(ops._ext.argmax_head(mx.array(h), mx.array(w), screen_weight=screen.weight,
+                                        screen_table=screen.table, stream=mx.cpu))
+    want = np.array(ops._ext.argmax_head(mx.array(h), mx.array(w), stream=mx.cpu))
+    bad += int((got != want).sum())
+c = greedy_head.screen_counters()
+# ops.argmax_head screens up to the AVX2 build's max_rows, then runs the exact kernel
+assert screen.max_rows == greedy_head.AVX2_SCREEN_MAX_ROWS, screen
+for rows in (greedy_head.AVX2_SCREEN_MAX_ROWS, greedy_head.AVX2_SCREEN_MAX_ROWS + 1):
+    h = mx.array(rng.standard_normal((rows, 576)).astype(np.float32))
+    ops.argmax_head(h, mx.array(w), screen=screen).tolist()
+after = greedy_head.screen_counters()
+print(bad, c["calls"], c["rows"], c["exact"], after["calls"] - c["calls"], after["rows"] - c["rows"])
+"""
+
+
+def test_the_avx2_build_under_the_avx2_cap():
+    """VLLM_METAL_CPU_ISA=avx2 (how an AVX-512 host runs an AVX2-only one's
+    kernels): the AVX2 build of the screened kernel, the exact kernel's tokens,
+    a few exact logits a row; ops.argmax_head screens up to AVX2_SCREEN_MAX_ROWS."""
+    out = subprocess.run([sys.executable, "-c", AVX2_BUILD], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_METAL_CPU_ISA": "avx2"})
+    assert out.returncode == 0, out.stderr
+    bad, calls, rows, exact_logits, policy_calls, policy_rows = map(int, out.stdout.split())
+    assert bad == 0 and calls == 7 and rows == 25
+    assert exact_logits <= 25 * 8
+    assert (policy_calls, policy_rows) == (1, greedy_head.AVX2_SCREEN_MAX_ROWS)  # 8 rows: the exact kernel

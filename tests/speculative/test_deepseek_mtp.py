@@ -30,6 +30,7 @@ from spec_helpers import (assert_counts_are_vllms_metrics, assert_keeps_the_dist
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm_metal.native import greedy_head
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,7 @@ def runs(models):
             out["spec"] = generate(llm, PROMPTS, params())[0]
             out["spec again"], out["cached"] = generate(llm, AGAIN, again)
             out["counts"] = s.drafted, s.accepted, s.verified_rows
+            out["screens"] = s.model.model._head_screen, runner.mlx_model._head_screen
             out["metrics"] = metrics(llm)
             before = sampling_counts(s)
             out["samples"] = seeded_pairs(llm, PROMPTS[1], N_SAMPLES)
@@ -98,6 +100,13 @@ def test_greedy_with_deepseek_mtp_is_the_plain_output(runs):
     assert runs["spec again"] == runs["plain again"] and min(runs["cached"]) >= 32, runs["cached"]
     drafted, accepted, rows = runs["counts"]
     assert accepted > 20 and drafted - accepted > 20, runs["counts"]  # drafts kept and drafts rejected
+
+
+def test_the_mtp_layer_screens_through_the_targets_screen(runs):
+    """The layer's greedy passes read the target's head through the target's bfloat16 screen
+    (where the CPU runs one), not a second copy of it."""
+    draft, target = runs["screens"]
+    assert draft is target and (target is not None) == greedy_head.screen_available()
 
 
 def test_counts_are_vllms_spec_decode_metrics(runs):

@@ -9,9 +9,9 @@ from vllm_metal.native.extension import installed_mlx
 
 def cpu_kernels_line(k: dict) -> str:
     """"avx2 builds (host avx512, capped by VLLM_METAL_CPU_ISA=avx2)", and
-    "; greedy head screened in bfloat16" where the CPU runs that kernel."""
+    "; greedy head screened in bfloat16 (avx2 kernel)" where the CPU runs a build of that kernel."""
     why = f", capped by VLLM_METAL_CPU_ISA={k['cap']}" if k["cap"] and k["isa"] != k["host_isa"] else ""
-    screen = "; greedy head screened in bfloat16 (AVX-512 BF16)" if k.get("head_screen") else ""
+    screen = f"; greedy head screened in bfloat16 ({k['head_screen']} kernel)" if k.get("head_screen") else ""
     return f"{k['isa']} builds (host {k['host_isa']}{why}){screen}"
 
 

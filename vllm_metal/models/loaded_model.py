@@ -215,6 +215,12 @@ class LoadedModel:
                 self._head_screen = ops.argmax_head_screen(self._plain_head)  # None where not used
         return self._plain_head if self._plain_head is not False else None
 
+    def share_greedy_head(self, owner: "LoadedModel") -> None:
+        """This model's output head is `owner`'s (an MTP layer's is the target's, as vLLM shares
+        it): owner's plain-head finding and bfloat16 screen, not a second screen of the same head."""
+        w = owner.greedy_head()
+        self._plain_head, self._head_screen = (w if w is not None else False), owner._head_screen
+
     def _find_plain_head(self):
         owner = decoder_owner(self.model)
         head = owner["lm_head"] if "lm_head" in owner else owner["model"].embed_tokens  # (checked below)

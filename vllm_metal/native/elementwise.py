@@ -160,11 +160,11 @@ GATED_DELTA_MAX_VALUE_DIM = 256
 def cpu_kernels() -> dict:
     """The instruction set of the CPU kernels' builds in use ("avx512", "avx2" or
     "generic"), the best this CPU runs, the VLLM_METAL_CPU_ISA cap if any, and
-    whether it runs the greedy head's bfloat16 screen (AVX-512 BF16; ops.
-    argmax_head_screen): what `vllm-metal doctor`, the worker's start line and
-    every benchmark record."""
+    the build of the greedy head's bfloat16 screen it runs ("avx512bf16",
+    "avx2", or "": none; ops.argmax_head_screen): what `vllm-metal doctor`, the
+    worker's start line and every benchmark record."""
     return {"isa": _ext.cpu_attention_variant(), "host_isa": _ext.cpu_host_isa(),
-            "cap": envs.cpu_isa_cap(), "head_screen": bool(_ext.argmax_head_screen_available())}
+            "cap": envs.cpu_isa_cap(), "head_screen": _ext.argmax_head_screen_build()}
 
 
 def gated_delta_path(stream=None) -> tuple[str, str]:

@@ -23,14 +23,21 @@ logger = logging.getLogger(__name__)
 # docs/primitives.md#argmax_head; below it OpenBLAS's few-row product wins);
 # with a screen the primitive takes every row count.
 ARGMAX_HEAD_MIN_ROWS = 8
+# The screen's AVX2 build (two FMAs a bfloat16 pair, as many as the exact
+# kernel's a float32 product) pays where the head's bytes bound the call:
+# below this many rows (measured: docs/primitives.md#the-bfloat16-screen);
+# from it the exact kernel runs. The AVX-512 BF16 build screens every count.
+AVX2_SCREEN_MAX_ROWS = 7
 
 
 class HeadScreen(NamedTuple):
     """A float32 head's screen (argmax_head_screen): its bfloat16 copy in the
-    kernel's layout and its per-token bound factors."""
+    kernel's layout, its per-token bound factors, and the most rows a call
+    screens (more: the exact kernel)."""
 
     weight: mx.array  # uint16 bfloat16 bit patterns, [tiles][pairs][16][2] flattened
     table: mx.array  # float32 [tiles * 16]
+    max_rows: int | None = None  # None: any
 
 
 def argmax_head(hidden: mx.array, weight: mx.array, *, screen: HeadScreen | None = None,
@@ -56,6 +63,8 @@ def argmax_head(hidden: mx.array, weight: mx.array, *, screen: HeadScreen | None
         raise TypeError(f"screen must be a HeadScreen (argmax_head_screen), got {type(screen).__name__}")
     if hidden.shape[0] == 0:
         return mx.zeros((0,), dtype=mx.int32)
+    if screen is not None and screen.max_rows is not None and hidden.shape[0] > screen.max_rows:
+        screen = None
     if (_device_of(stream).type == mx.DeviceType.cpu and hidden.dtype == mx.float32
             and weight.dtype == mx.float32 and (screen is not None or hidden.shape[0] >= ARGMAX_HEAD_MIN_ROWS)):
         if screen is None:
@@ -66,11 +75,18 @@ def argmax_head(hidden: mx.array, weight: mx.array, *, screen: HeadScreen | None
     return mx.argmax(logits, axis=-1, stream=stream).astype(mx.int32, stream=stream)
 
 
+def screen_build() -> str:
+    """The screened kernel's build this CPU runs: "avx512bf16" (x86-64 with
+    AVX-512 BF16, the kernels running their AVX-512 build), "avx2" (the
+    kernels running their AVX2 build: an AVX2-only CPU, or
+    VLLM_METAL_CPU_ISA=avx2), or "" (none)."""
+    return _ext.argmax_head_screen_build()
+
+
 def screen_available() -> bool:
-    """Whether argmax_head's screen is used here: the CPU runs the screened
-    kernel (x86-64 with AVX-512 BF16, the kernels not capped below AVX-512
-    by VLLM_METAL_CPU_ISA) and VLLM_METAL_HEAD_SCREEN is on."""
-    return envs.strict_switch("VLLM_METAL_HEAD_SCREEN") and bool(_ext.argmax_head_screen_available())
+    """Whether argmax_head's screen is used here: the CPU runs a build of the
+    screened kernel (screen_build) and VLLM_METAL_HEAD_SCREEN is on."""
+    return envs.strict_switch("VLLM_METAL_HEAD_SCREEN") and bool(screen_build())
 
 
 def argmax_head_screen(weight: mx.array) -> HeadScreen | None:
@@ -89,10 +105,11 @@ def argmax_head_screen(weight: mx.array) -> HeadScreen | None:
     except ValueError as e:
         logger.info("vllm-metal: greedy steps use the exact head: %s", e)
         return None
-    logger.info("vllm-metal: greedy steps screen the %d x %d head in bfloat16 (%.1f MiB; "
+    build = screen_build()
+    logger.info("vllm-metal: greedy steps screen the %d x %d head in bfloat16 (%.1f MiB, the %s kernel; "
                 "VLLM_METAL_HEAD_SCREEN=0 turns it off)", weight.shape[0], weight.shape[1],
-                (wb.nbytes + table.nbytes) / 2**20)
-    return HeadScreen(wb, table)
+                (wb.nbytes + table.nbytes) / 2**20, build)
+    return HeadScreen(wb, table, AVX2_SCREEN_MAX_ROWS if build == "avx2" else None)
 
 
 def screen_counters() -> dict[str, int]:

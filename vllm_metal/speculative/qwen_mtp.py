@@ -143,6 +143,7 @@ def load_qwen_mtp(target: LoadedModel, model_dir: str, spec_config, dtype: str, 
     decoder = own["model"]
     decoder.embed_tokens, decoder.norm = _Given(), nn.Identity()
     block_model = prepare_model(model, one, dtype, dequantize, True, fuse, norm_rope)
+    block_model.share_greedy_head(target)
     mx.eval([m.parameters() for m in extras.values()])
     block_model.weights_bytes += sum(v.nbytes for m in extras.values() for _, v in tree_flatten(m.parameters()))
     block_model.weights_bytes -= sum(v.nbytes for _, v in tree_flatten(own["lm_head"].parameters()))  # the target's
