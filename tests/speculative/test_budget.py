@@ -1,6 +1,7 @@
 """The drafting budget (speculative/budget.py): vLLM's drafts kept until a
 step's cost has been measured; then a draft is kept only while its expected
-tokens (acceptance^j) pay for the row it adds at the step's measured cost."""
+tokens (the product of the acceptance rates of its depth and every depth
+before it) pay for the row it adds at the step's measured cost."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_expensive_rows_keep_only_the_drafts_that_pay(rng):
     assert b.trimmed == sum(proposed.values()) - sum(keep.values())
 
     def rate(k):
-        tokens = 8 + sum(sum(b.acceptance(r) ** j for j in range(1, n + 1)) for r, n in k.items())
+        tokens = 8 + sum(sum(b.worth(r, j) for j in range(1, n + 1)) for r, n in k.items())
         return tokens / (b.base + b.per_row * (8 + sum(k.values())))
     for r in keep:
         for other in (keep[r] - 1, keep[r] + 1):
@@ -87,9 +88,9 @@ def test_a_drafting_models_passes_are_fitted_and_paid_once_per_depth():
         rows, passes = int(rng.integers(8, 30)), int(rng.integers(0, 4))
         b.observe_step(rows, 0.020 + 0.002 * rows + 0.010 * passes, passes)
     assert abs(b.base - 0.020) < 1e-9 and abs(b.per_row - 0.002) < 1e-9 and abs(b.per_pass - 0.010) < 1e-9
-    for r in "abcdefgh":  # acceptance 0.8 each (prior 1:1 included)
+    for r in "abcdefgh":  # acceptance 0.8 at each depth (prior 1:1 included)
         b.observe_verify(r, 4, 4)
-        b.accepted[r], b.rejected[r] = 7.0, 1.0
+        b.accepted[r], b.tried[r] = [7.0] * 3, [8.0] * 3
     everyone = b.allot(dict.fromkeys("abcdefgh", 3), 8)
     # Eight requests share the first pass: 6.4 tokens for 26 ms on a 36 ms step pays; the second
     # depth's 5.1 tokens for another 26 ms would lower the rate.
@@ -98,3 +99,23 @@ def test_a_drafting_models_passes_are_fitted_and_paid_once_per_depth():
     assert alone == {"a": 0}
     b.per_pass = 0.0  # without pass costs the same request drafts
     assert b.allot({"a": 3}, 8)["a"] > 0
+
+
+def test_each_depth_has_its_own_acceptance(rng):
+    """A chained drafter (an MTP layer fed its own output) whose first drafts are taken 90% of the
+    time and its second ones 10%: one draft pays, a second does not (one rate for every depth,
+    (accepted drafts / rows) ~ 0.5 a depth, would have kept two)."""
+    b = DraftBudget(passes=True)
+    for _ in range(40):
+        rows, passes = int(rng.integers(1, 5)), int(rng.integers(0, 4))
+        b.observe_step(rows, 0.040 + 0.004 * rows + 0.006 * passes, passes)
+    for accepted, rows in ((0, 10), (1, 81), (2, 9)):  # depth 1: 90 of 100 taken; depth 2: 9 of 90
+        for _ in range(rows):
+            b.observe_verify("a", 3, accepted)
+    assert abs(b.acceptance("a", 1) - 0.9) < 0.02 and abs(b.acceptance("a", 2) - 0.1) < 0.03
+    assert b.worth("a", 2) < 0.1
+    assert b.allot({"a": 3}, 1) == {"a": 1}
+    b.observe_verify("c", 3, 3)
+    assert b.acceptance("c", 1) == b.acceptance("c", 3) == 2 / 3  # each depth tried and taken once, prior 1:1
+    b.forget(["a", "c"])
+    assert b.acceptance("a", 2) == 0.5 and "c" not in b.tried

@@ -13,11 +13,16 @@ such rule; this one keeps vLLM's drafts, only shortened:
 - the step's cost is measured, not assumed: t = base + per_row x rows, a
   least-squares fit over the recent decode steps (steps with prompt tokens
   left out); until the fit exists every draft is kept (vLLM's behaviour);
-- each request's acceptance alpha is counted (accepted drafts against rows
-  that ended in a rejection, with a weak prior: with `pooled`, a draft
-  model's, the prior is the acceptance pooled over every request so far --
-  a new request of a draft model that drafts badly starts from its record),
-  and its j-th draft is worth alpha^j expected tokens;
+- each request's acceptance is counted per draft depth: alpha_j, the rate at
+  which its j-th draft is accepted when every draft before it was (with a
+  weak prior: with `pooled`, a drafting model's, the prior rate is the one
+  pooled over every request so far -- a new request starts from the
+  drafter's record, and one whose prior would not pay still drafts where
+  the drafter's record says it does), and its j-th draft is worth
+  alpha_1 x ... x alpha_j expected tokens. (A chained drafter's later
+  drafts are often much worse than its first -- an MTP layer fed its own
+  output: 89% of first drafts taken and 17% of second ones, measured on
+  Qwen3.5's -- which one rate for every depth, alpha^j, would overvalue.)
 - drafts are taken best first while each adds more tokens per second than
   the step makes with those already taken (the ratio tokens / time is
   maximised greedily: a draft of worth w pays iff w > rate x per_row);
@@ -55,13 +60,14 @@ class DraftBudget:
     def __init__(self, pooled: bool = False, passes: bool = False):
         self.pooled, self.passes = pooled, passes
         self.per_pass = 0.0  # seconds per pass (a drafting model's passes after the step)
-        self.pool_accepted = self.pool_rejected = 0.0  # decayed counts over every request's verified rows
         self.pool_rows = 0  # verified rows pooled since the last reset_pool
         self.samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
         self.base: float | None = None  # seconds
         self.per_row: float | None = None  # seconds per row
-        self.accepted: dict[str, float] = {}
-        self.rejected: dict[str, float] = {}
+        # req_id -> per depth j (index j - 1): drafts accepted, drafts verified with every one before accepted
+        self.accepted: dict[str, list[float]] = {}
+        self.tried: dict[str, list[float]] = {}
+        self.pool: list[list[float]] = []  # per depth: [decayed accepted, decayed tried]
         self.trimmed = 0  # drafts dropped (instrumentation)
         self.probes = 0  # steps that verified no drafts to measure a plain step (instrumentation)
         self._allotted = 0  # allot() calls since the last probe
@@ -87,24 +93,47 @@ class DraftBudget:
             self.per_row, self.base, self.per_pass = slope, max(float(t.mean() - slope * r.mean()), 0.0), 0.0
 
     def observe_verify(self, req_id: str, drafted: int, accepted: int) -> None:
-        self.accepted[req_id] = self.accepted.get(req_id, 0.0) + accepted
-        self.rejected[req_id] = self.rejected.get(req_id, 0.0) + (accepted < drafted)
-        self.pool_accepted = self.pool_accepted * POOL_DECAY + accepted
-        self.pool_rejected = self.pool_rejected * POOL_DECAY + (accepted < drafted)
+        """A verified row: `drafted` drafts, the first `accepted` of them taken (depths 1..accepted + 1
+        were tried: each with every draft before it accepted)."""
+        tried = min(drafted, accepted + 1)
+        acc, seen = self.accepted.setdefault(req_id, []), self.tried.setdefault(req_id, [])
+        while len(seen) < tried:
+            acc.append(0.0)
+            seen.append(0.0)
+        while len(self.pool) < tried:
+            self.pool.append([0.0, 0.0])
+        for j in range(tried):
+            seen[j] += 1
+            acc[j] += j < accepted
+        for j, counts in enumerate(self.pool):
+            counts[0] *= POOL_DECAY
+            counts[1] *= POOL_DECAY
+            if j < tried:
+                counts[0] += j < accepted
+                counts[1] += 1
         self.pool_rows += 1
 
     def reset_pool(self) -> None:
-        self.pool_accepted = self.pool_rejected = 0.0
-        self.pool_rows = 0
+        self.pool, self.pool_rows = [], 0
 
-    def acceptance(self, req_id: str) -> float:
-        prior_a, prior_r = PRIOR_ACCEPTED, PRIOR_REJECTED
-        if self.pooled:  # the prior's weight stays two rows; its rate is the pool's
-            rate = (self.pool_accepted + PRIOR_ACCEPTED) / (
-                self.pool_accepted + self.pool_rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
-            prior_a, prior_r = rate * (PRIOR_ACCEPTED + PRIOR_REJECTED), (1 - rate) * (PRIOR_ACCEPTED + PRIOR_REJECTED)
-        a = self.accepted.get(req_id, 0.0) + prior_a
-        return a / (a + self.rejected.get(req_id, 0.0) + prior_r)
+    def acceptance(self, req_id: str, depth: int = 1) -> float:
+        """alpha_depth: the rate at which the request's draft at `depth` is taken when every draft
+        before it was (its counts and the prior)."""
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+        prior = PRIOR_ACCEPTED / weight
+        if self.pooled:  # the prior's weight stays two rows; its rate is the pool's at this depth
+            a, t = self.pool[depth - 1] if depth <= len(self.pool) else (0.0, 0.0)
+            prior = (a + PRIOR_ACCEPTED) / (t + weight)
+        acc, seen = self.accepted.get(req_id, ()), self.tried.get(req_id, ())
+        a, t = (acc[depth - 1], seen[depth - 1]) if depth <= len(seen) else (0.0, 0.0)
+        return (a + prior * weight) / (t + weight)
+
+    def worth(self, req_id: str, depth: int) -> float:
+        """The expected tokens of the request's draft at `depth`: alpha_1 x ... x alpha_depth."""
+        w = 1.0
+        for j in range(1, depth + 1):
+            w *= self.acceptance(req_id, j)
+        return w
 
     def allot(self, proposals: dict[str, int], batch: int) -> dict[str, int]:
         """req_id -> how many of its proposed drafts to keep, for a step of `batch` requests."""
@@ -119,7 +148,7 @@ class DraftBudget:
             return dict(proposals)
         if self.passes:
             return self._allot_by_depth(proposals, batch)
-        worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items() for j in range(1, n + 1)),
+        worth = sorted(((self.worth(r, j), r) for r, n in proposals.items() for j in range(1, n + 1)),
                        reverse=True)
         keep = dict.fromkeys(proposals, 0)
         tokens, rows = float(batch), float(batch)
@@ -136,7 +165,7 @@ class DraftBudget:
         keep = dict.fromkeys(proposals, 0)
         tokens, seconds = float(batch), self.base + self.per_row * batch
         for j in range(1, max(proposals.values()) + 1):
-            worth = sorted(((self.acceptance(r) ** j, r) for r, n in proposals.items()
+            worth = sorted(((self.worth(r, j), r) for r, n in proposals.items()
                             if n >= j and keep[r] == j - 1), reverse=True)
             best, total = (tokens / seconds, 0, 0.0), 0.0
             for i, (w, _) in enumerate(worth, 1):
@@ -155,4 +184,4 @@ class DraftBudget:
     def forget(self, req_ids) -> None:
         for r in req_ids:
             self.accepted.pop(r, None)
-            self.rejected.pop(r, None)
+            self.tried.pop(r, None)

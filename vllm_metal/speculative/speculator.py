@@ -82,7 +82,8 @@ class Speculator:
         self.model: ModelProposer | None = None
         self.enabled = not custom_logitsprocs  # a custom processor may edit any position's logits
         # How many of its drafts each request verifies (budget.py); None: all of them, as vLLM does.
-        self.budget = DraftBudget(pooled=spec_config.method == "draft_model",
+        # A drafting model's acceptance is pooled across requests (the prior of a new one); n-gram's is the prompt's.
+        self.budget = DraftBudget(pooled=spec_config.method != "ngram",
                                   passes=spec_config.method in ("draft_model", "mtp", "eagle3")) \
             if envs.get_bool("VLLM_METAL_SPEC_BUDGET") else None
         self._step: tuple[float, int] | None = None  # a decode step's start and rows, timed for the budget
