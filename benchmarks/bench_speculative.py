@@ -210,9 +210,14 @@ def render(runs: list[dict], meta: dict) -> str:
                      f"{r['ttft_p50_ms']:,.0f} | {r['tpot_p50_ms']:.1f} | {acc} | {per_step} | "
                      f"{r['foreign_cores']:.2f} |")
     if method:
-        firsts = [f"{r['dataset']} c={r['concurrency']} {first_drafts(r)}" for r in runs
-                  if "error" not in r and r.get("spec_decode")]
-        lines += ["", "First drafts accepted (per drafting step): " + (", ".join(firsts) or "-") + "."]
+        spec = [r for r in runs if "error" not in r and r.get("spec_decode")]
+        cells = [(r["dataset"], r["concurrency"]) for r in spec]
+        firsts = [f"{r['dataset']} c={r['concurrency']}"
+                  + (f" ({r['label']})" if cells.count((r["dataset"], r["concurrency"])) > 1 else "")
+                  + f" {first_drafts(r)}" for r in spec]
+        lines += ["", "First drafts accepted (per drafting step): " + (", ".join(firsts) or "-") + ". Drafts "
+                  "accepted are vLLM's counts: with async scheduling every placeholder draft the scheduler "
+                  "sent, those the runner's budget left unfilled included, counts as drafted."]
     return "\n".join(lines)
 
 

@@ -173,6 +173,8 @@ def blocks() -> list[Block]:
               lambda files: st.tiles(files, "Float32, block 16, 1024 tokens of context; heads 9/3 at head dim "
                                             "64, 32/8 at 128, 8/2 at 256."), _no_host),
         Block("decode-stream", "paged-attention", (R + "decode_stream.json",), _table(st.decode_stream), variant),
+        Block("argmax-head", "argmax-head", (R + "argmax_head/avx2_amd.json",), _script("bench_argmax_head"),
+              lambda d: (d["meta"]["variant"], d["meta"]["cpu"])),
         Block("kv-disk", "kv-disk", (R + "kv_disk_llama-1gib.json",), _table(st.kv_disk), _no_host),
         Block("hybrid-serving", "hybrid", (R + "hybrid/serving.json",), _serving, _meta_host),
         Block("hybrid-state", "hybrid", (R + "hybrid/state_writeback.json",), _table(st.hybrid_state), _no_host),

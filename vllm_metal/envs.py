@@ -131,7 +131,7 @@ ENV_VARS: dict[str, EnvVar] = {
         "Where the fused projections and the CPU norm/RoPE primitives both apply, run each "
         "llama-shaped decoder block (proven at load) as one primitive: `1` or `0`.")),
     "VLLM_METAL_HEAD_SCREEN": EnvVar("1", "diagnostics", (
-        "Greedy steps on MLX's CPU device, on CPUs with AVX-512 BF16: find each row's token "
+        "Greedy steps on MLX's CPU device, on x86-64 CPUs with AVX-512 BF16 or AVX2: find each row's token "
         "through a bfloat16 screen of the float32 output head (exact float32 logits for the "
         "few tokens it cannot rule out; same tokens): `1` or `0` (every logit in float32).")),
     "VLLM_METAL_STATE_WRITEBACK": EnvVar("inplace", "diagnostics", (
