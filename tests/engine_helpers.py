@@ -18,19 +18,19 @@ def engine(model_dir: str, **kwargs):
 
     args = dict(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=192 << 20, seed=0)
     args.update(kwargs)
+    keep_upstream_caches_only_for(model_dir)
     llm = LLM(model_dir, **args)
     try:
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-        clear_upstream_caches()
         # Garbage collection: a full collection of a test worker's ~740k objects takes 0.4-0.65 s,
         # and this used to run three per engine: vLLM's start-up (freeze_gc_heap: collect, then
         # gc.freeze), its shutdown (gc.unfreeze, collect) and one here. Now only the shutdown's:
         # nothing is collected here, and everything alive is frozen, so the next engine's start-up
         # collects only what was made since. Garbage made from here on (this engine once the
-        # caller lets go of it, the tokenizers just uncached) stays until the next engine's
+        # caller lets go of it, a model's tokenizers once uncached) stays until the next engine's
         # shutdown, or the file's end (release_upstream_caches), unfreezes and collects it.
         gc.freeze()
 
@@ -71,8 +71,36 @@ def upstream_caches_hold_entries() -> bool:
 
 def clear_upstream_caches() -> None:
     """Empties the model-keyed lru_caches of UPSTREAM_CACHE_MODULES."""
+    global _kept_for
     for cache in _upstream_caches():
         cache.cache_clear()
+    _kept_for = None
+
+
+# The model (its path and files as they were) whose upstream cache entries the engines of a test file
+# share: engine() empties the caches when it starts an engine of another model, or of files changed
+# since, and the file's end (conftest.py) empties them. Kept, a model's tokenizer is loaded once
+# instead of once per engine: vLLM's renderer set-up took 17.1 s of a tiny model's 27 s engine start
+# uncached, 7.9 s cached (profiled on a loaded core; what remains is the renderer's own deep copies).
+_kept_for = None
+
+
+def _model_key(model_dir: str) -> tuple:
+    import os
+
+    path = os.path.realpath(model_dir)
+    if not os.path.isdir(path):
+        return (path,)
+    return (path, *sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in os.scandir(path)))
+
+
+def keep_upstream_caches_only_for(model_dir: str) -> None:
+    """Empties the upstream caches unless they were kept for this model, as it is now on disk."""
+    global _kept_for
+    key = _model_key(model_dir)
+    if key != _kept_for:
+        clear_upstream_caches()
+        _kept_for = key
 
 
 def release_upstream_caches() -> None:

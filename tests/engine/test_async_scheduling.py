@@ -75,7 +75,22 @@ def run(llm, prompts, params=None):
     return result
 
 
-def generate_both(model_dir, prompts=PROMPTS, params=None, **kwargs):
+BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
+# Each configuration's prompts and engine arguments. Preempted: prompts one token short of 10, 11 or
+# 12 full blocks: four are admitted (43 of 48 blocks), and their decodes need two blocks each within
+# 24 tokens.
+CONFIGS = {
+    "chunked": (PROMPTS, dict(max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)),
+    "preempted": ([GOLDEN[-1]["prompt_ids"][:16 * (10 + i % 3) - 1] for i in range(8)],
+                  dict(kv_cache_memory_bytes=48 * BYTES_PER_BLOCK, max_num_seqs=8, max_model_len=512,
+                       enable_prefix_caching=False)),
+}
+COUNTS = ("finished_by_next_step", "tokens_fed", "steps_sampled_in_graph", "forward_passes", "steps_deferred")
+
+
+def generate_both(model_dir, prompts, workloads, **kwargs):
+    """Each workload (a SamplingParams factory), one after the other, on one engine per
+    scheduling mode: its outputs, and the runner's counts over that workload alone."""
     runs = {}
     for mode in (True, False):
         with engine(model_dir, async_scheduling=mode, **kwargs) as llm:
@@ -83,11 +98,26 @@ def generate_both(model_dir, prompts=PROMPTS, params=None, **kwargs):
             core = llm.llm_engine.engine_core.engine_core
             assert runner.async_scheduling is mode
             assert (core.batch_queue is not None) is mode  # the engine's async step loop
-            runs[mode] = run(llm, prompts, params() if params else None), runner.finished_by_next_step, \
-                runner.batch.num_resumed
-            runs[mode, "fed"] = runner.tokens_fed, runner.steps_sampled_in_graph, runner.forward_passes
-            runs[mode, "deferred"] = runner.steps_deferred
+
+            def counts():
+                return {name: getattr(runner, name) for name in COUNTS} | {"resumed": runner.batch.num_resumed}
+
+            for name, params in workloads.items():
+                before = counts()
+                out = run(llm, prompts, params())
+                c = {k: v - before[k] for k, v in counts().items()}
+                runs[name, mode] = out, c["finished_by_next_step"], c["resumed"]
+                runs[name, mode, "fed"] = c["tokens_fed"], c["steps_sampled_in_graph"], c["forward_passes"]
+                runs[name, mode, "deferred"] = c["steps_deferred"]
     return runs
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def both(request, model_dir):
+    """(configuration, runs): both workloads on an async and a sync engine of the configuration
+    (shared by the tests of that configuration)."""
+    prompts, kwargs = CONFIGS[request.param]
+    return request.param, generate_both(model_dir, prompts, {"mixed": workload, "greedy": greedy_workload}, **kwargs)
 
 
 def assert_same_outputs(async_out, sync_out):
@@ -114,60 +144,47 @@ def test_default_is_async(model_dir):
         assert runner_of(llm).async_scheduling
 
 
-def test_async_gives_the_sync_outputs_with_chunked_prefill(model_dir):
-    runs = generate_both(model_dir, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
-    (async_out, overlapped, _), (sync_out, sync_overlapped, _) = runs[True], runs[False]
+def test_async_gives_the_sync_outputs(both):
+    """With chunked prefill, and under preemption."""
+    config, runs = both
+    (async_out, overlapped, resumed), (sync_out, sync_overlapped, sync_resumed) = runs["mixed", True], \
+        runs["mixed", False]
     assert_same_outputs(async_out, sync_out)
-    # Under async scheduling, steps were finished by the next execute_model:
-    # the engine really ran ahead of the outputs.
-    assert overlapped > 0 and sync_overlapped == 0
-    tokens, reason, _, _ = async_out[5]
-    assert reason == "stop" and tokens == GOLDEN[5]["greedy_ids"][:STOP_AT + 1]
-    assert async_out[0][0] == GOLDEN[0]["greedy_ids"][:24]
+    if config == "chunked":
+        # Under async scheduling, steps were finished by the next execute_model:
+        # the engine really ran ahead of the outputs.
+        assert overlapped > 0 and sync_overlapped == 0
+        tokens, reason, _, _ = async_out[5]
+        assert reason == "stop" and tokens == GOLDEN[5]["greedy_ids"][:STOP_AT + 1]
+        assert async_out[0][0] == GOLDEN[0]["greedy_ids"][:24]
+    else:
+        assert resumed > 0 and sync_resumed > 0, "the tiny cache should have forced preemptions"
 
 
-def test_async_gives_the_sync_outputs_under_preemption(model_dir):
-    bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4  # the embedded model's K/V bytes per 16-token block
-    # Prompts one token short of 10, 11 or 12 full blocks: four are admitted
-    # (43 of 48 blocks), and their decodes need two blocks each within 24 tokens.
-    prompts = [GOLDEN[-1]["prompt_ids"][:16 * (10 + i % 3) - 1] for i in range(8)]
-    runs = generate_both(model_dir, prompts, kv_cache_memory_bytes=48 * bytes_per_block, max_num_seqs=8,
-                         max_model_len=512, enable_prefix_caching=False)
-    assert_same_outputs(runs[True][0], runs[False][0])
-    assert runs[True][2] > 0 and runs[False][2] > 0, "the tiny cache should have forced preemptions"
-
-
-@pytest.mark.parametrize("case", ["chunked", "preempted"])
-def test_greedy_steps_sample_in_the_graph_and_feed_the_next(model_dir, case, monkeypatch):
+def test_greedy_steps_sample_in_the_graph_and_feed_the_next(both, model_dir, monkeypatch):
     """All-greedy steps are sampled in the graph and, under async scheduling,
     the next step's graph reads their tokens there (built before they reach
     the host). Tokens and finish reasons: those of synchronous scheduling and
     of vLLM's Sampler on the host (VLLM_METAL_SAMPLE_IN_GRAPH=0), through an
     early stop, min_tokens, a request sampling on the host in the batch,
     chunked prefill or preemption."""
-    if case == "chunked":
-        prompts, kwargs = PROMPTS, dict(max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
-    else:
-        bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
-        prompts = [GOLDEN[-1]["prompt_ids"][:16 * (10 + i % 3) - 1] for i in range(8)]
-        kwargs = dict(kv_cache_memory_bytes=48 * bytes_per_block, max_num_seqs=8, max_model_len=512,
-                      enable_prefix_caching=False)
-    runs = generate_both(model_dir, prompts, greedy_workload, **kwargs)
-    assert_same_outputs(runs[True][0], runs[False][0])
-    fed, in_graph, passes = runs[True, "fed"]
-    assert in_graph > passes // 3 and fed > 20, runs[True, "fed"]
-    sync_fed, sync_in_graph, _ = runs[False, "fed"]
+    case, runs = both
+    prompts, kwargs = CONFIGS[case]
+    assert_same_outputs(runs["greedy", True][0], runs["greedy", False][0])
+    fed, in_graph, passes = runs["greedy", True, "fed"]
+    assert in_graph > passes // 3 and fed > 20, runs["greedy", True, "fed"]
+    sync_fed, sync_in_graph, _ = runs["greedy", False, "fed"]
     assert sync_fed == 0 and sync_in_graph > 0  # synchronous: sampled in the graph, nothing to feed
     if case == "preempted":
-        assert runs[True][2] > 0
+        assert runs["greedy", True][2] > 0
     # On MLX's CPU device a step starts only after the previous step's output
     # is handed over (mx.async_eval would hold that output back a whole step).
-    assert runs[False, "deferred"] == 0 and runs[True, "deferred"] > 0, runs
+    assert runs["greedy", False, "deferred"] == 0 and runs["greedy", True, "deferred"] > 0, runs
     monkeypatch.setenv("VLLM_METAL_SAMPLE_IN_GRAPH", "0")
     with engine(model_dir, **kwargs) as llm:
         host = run(llm, prompts, greedy_workload())
         assert runner_of(llm).steps_sampled_in_graph == 0 and runner_of(llm).tokens_fed == 0
-    assert_same_outputs(runs[True][0], host)
+    assert_same_outputs(runs["greedy", True][0], host)
     assert len(host[4][0]) >= 6
     if case == "chunked":  # the golden prompts: the golden greedy tokens
         tokens, reason, _, _ = host[2]

@@ -1,7 +1,8 @@
 """An engine that is shut down leaves nothing of its model behind in the process: no model
-runner, no MLX memory, and (after engine_helpers.clear_upstream_caches, which every test
-engine runs at teardown, and the next garbage collection) no tokenizer of its model path. The suite builds hundreds of engines
-in two processes; what one keeps, all keep (3 GB per family-sweeping file, measured)."""
+runner, no MLX memory, and (once the upstream caches are emptied, which a test engine of another
+model does first and every test file's end does, and the next garbage collection) no tokenizer of
+its model path. The suite builds hundreds of engines in two processes; what one keeps, all keep
+(3 GB per family-sweeping file, measured)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import weakref
 
 import mlx.core as mx
-from engine_helpers import engine, greedy, runner_of
+from engine_helpers import engine, greedy, keep_upstream_caches_only_for, runner_of
 
 
 def tokenizers_of(path: str) -> list:
@@ -38,6 +39,8 @@ def test_a_shut_down_engine_leaves_no_runner_memory_or_tokenizer(model_dir, tmp_
         assert mx.get_active_memory() > held + (1 << 20)
     del llm  # the with-target outlives the block
     assert runner() is None, gc.get_referrers(runner())
+    # Kept for the next engine of the same model; what an engine of another model does first:
+    keep_upstream_caches_only_for(model_dir)
     assert tokenizers_of(str(own)) == []
     # (a first engine in a process creates an 8-byte module constant; the model's weights and
     # cache are > 100 MB)

@@ -104,15 +104,15 @@ def test_mixed_batch_with_and_without_prompt_logprobs(chunked, reference):
 
 
 def test_prompt_logprobs_exactly_once_after_preemption(model_dir, reference):
-    # 200-340-token prompts, 8 at once, room for about 2.5 of them: the scheduler
+    # 100-170-token prompts, 8 at once, room for about 2.5 of them: the scheduler
     # preempts and resumes (recomputing prompts). Each request's prompt
     # logprobs arrive once, with one entry per prompt token.
-    prompts = [LONG[:200 + 20 * i] for i in range(8)]  # 200..340 tokens
+    prompts = [LONG[:100 + 10 * i] for i in range(8)]  # 100..170 tokens
     bytes_per_block = 30 * 2 * 16 * 3 * 64 * 4
-    with engine(model_dir, kv_cache_memory_bytes=48 * bytes_per_block, max_num_seqs=8, max_model_len=512,
+    with engine(model_dir, kv_cache_memory_bytes=24 * bytes_per_block, max_num_seqs=8, max_model_len=256,
                 enable_prefix_caching=False) as llm:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, prompt_logprobs=2),
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2),
                             use_tqdm=False)
         resumed = runner_of(llm).batch.num_resumed
     assert resumed > 0, "the KV cache was meant to be too small: no request was preempted"

@@ -40,11 +40,17 @@ def weights(mlx_model_dir):
     return float32_weights(mlx_model_dir)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_matches_mlx_lm(model_dir, weights, tmp_path, dtype):
+@pytest.fixture(scope="module")
+def whole_variant(model_dir, weights, tmp_path_factory):
     # All 30 layers: half precision needs the real model's peaked logits
-    # (a truncated model's near-ties flip in bf16 after a dozen tokens).
-    variant = make_variant(model_dir, tmp_path / "llama", "llama", weights, layers=30)
+    # (a truncated model's near-ties flip in bf16 after a dozen tokens). Written once (540 MB):
+    # each dtype is chosen at load.
+    return make_variant(model_dir, tmp_path_factory.mktemp("whole") / "llama", "llama", weights, layers=30)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_mlx_lm(whole_variant, dtype):
+    variant = whole_variant
     with engine(variant, dtype=dtype) as llm:
         tokens, _ = greedy(llm, PROMPTS, SLOW_TOKENS)
     assert tokens == mlx_lm_greedy(variant, dtype=getattr(mx, dtype), num_tokens=SLOW_TOKENS)
