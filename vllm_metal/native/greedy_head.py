@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 ARGMAX_HEAD_MIN_ROWS = 8
 # The screen's AVX2 build (two FMAs a bfloat16 pair, as many as the exact
 # kernel's a float32 product) pays where the head's bytes bound the call:
-# below this many rows (measured: docs/primitives.md#the-bfloat16-screen);
+# up to this many rows (measured: docs/benchmarks.md#the-greedy-heads-screen);
 # from it the exact kernel runs. The AVX-512 BF16 build screens every count.
 AVX2_SCREEN_MAX_ROWS = 7
 
